@@ -1,0 +1,28 @@
+# Entry points. `make test` is what CI runs (.ci/run); `make pipeline` runs the local default.
+SHELL := /bin/bash
+VENV := .venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+
+.PHONY: system-deps bootstrap pipeline test quick unit lint sanity integration package molecule clean
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+pipeline: bootstrap
+	ansible-playbook playbooks/pipeline.yml
+
+test: bootstrap system-deps
+	scripts/test.sh unit lint sanity package integration molecule
+
+quick: bootstrap
+	scripts/test.sh unit lint integration
+
+unit lint sanity package integration molecule: bootstrap
+	scripts/test.sh $@
+
+clean:
+	rm -rf .cache build gpuflow-eagle3-*.tar.gz
+
+system-deps:
+	@scripts/system_deps.sh

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Build the collection tarball, install it into a scratch path and render every module's docs
+# from the installed copy (not from the checkout).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+WORK="$ROOT/.cache/package"
+rm -rf "$WORK" && mkdir -p "$WORK/dist" "$WORK/collections"
+cd "$ROOT"
+ansible-galaxy collection build --force --output-path "$WORK/dist" .
+ansible-galaxy collection install --offline -p "$WORK/collections" "$WORK"/dist/gpuflow-eagle3-*.tar.gz
+installed="$WORK/collections/ansible_collections/gpuflow/eagle3"
+for module in "$installed"/plugins/modules/*.py; do
+    name="gpuflow.eagle3.$(basename "$module" .py)"
+    ANSIBLE_COLLECTIONS_PATH="$WORK/collections" ansible-doc "$name" > "$WORK/$(basename "$module" .py).txt"
+    echo "ansible-doc $name: $(wc -l < "$WORK/$(basename "$module" .py).txt") lines"
+done
+# Test material must not ship.
+if tar -tzf "$WORK"/dist/gpuflow-eagle3-*.tar.gz | grep -E '^(tests|molecule|bench)/'; then
+    echo "package_check: test material found in the tarball" >&2
+    exit 1
+fi
