@@ -1,0 +1,609 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuflow maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""GPU drain: plan, escalation and readiness polling (PRIVATE to gpuflow.eagle3).
+
+Entry points (plain data in, plain data out; no Ansible import):
+
+:func:`gpu_facts`
+    What ``gpu_info`` returns: every GPU with its memory and classified holders.
+:func:`run_drain`
+    What ``gpu_drain`` does: validate parameters (:class:`DrainError` before anything is
+    signalled), discover, :func:`build_plan`, then unless ``check_mode``: stop units through
+    systemd, SIGTERM (to the process group where :func:`.pid_safety.group_ok` allows,
+    else to each PID), poll until the targets exit or ``grace_period`` passes, SIGKILL the
+    survivors, poll again up to ``kill_timeout``, then poll the backend until each target
+    GPU is ready or ``release_timeout`` passes.  Every wait is a poll (``poll_interval``),
+    never a fixed sleep; a clean host returns after one look with ``changed: false``.
+
+Ready (per GPU) means: no unprotected compute holder left on it, no unresolved driver PID
+on it, and ``used_mib <= baseline + memory of protected/own holders + tolerance``.  The
+verdict is ``ready``, ``needs_reboot`` (a holder that survives SIGKILL is in D state) or
+``blocked`` (``blocked_by`` says by whom and why).
+
+Injected collaborators keep this testable: ``backend`` (:mod:`.gpu_backend`), ``systemd``
+(:class:`Systemd`, built on a ``run(argv) -> (rc, out, err)`` callable), ``proc_root``,
+``clock`` and ``sleep``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import time
+
+from ansible_collections.gpuflow.eagle3.plugins.module_utils import holders as H
+from ansible_collections.gpuflow.eagle3.plugins.module_utils import pid_safety as S
+
+DEFAULTS = {
+    "gpus": ["all"],
+    "units": [],
+    "pids": [],
+    "cmdline_pattern": None,
+    "all_holders": False,
+    "protected": [],
+    "protected_defaults": True,
+    "management_clients": "ignore",
+    "signal_process_group": True,
+    "grace_period": 15.0,
+    "kill_timeout": 10.0,
+    "release_timeout": 10.0,
+    "poll_interval": 0.02,
+    "memory_tolerance_mib": 256,
+    "memory_baseline_mib": None,
+    "unit_stop_timeout": 120.0,
+}
+
+
+class DrainError(Exception):
+    """Bad parameters or an unusable host: raised before anything is signalled."""
+
+
+class Systemd(object):
+    """Thin systemctl wrapper over an injected ``run(argv) -> (rc, out, err)``."""
+
+    def __init__(self, run, booted=None):
+        self.run = run
+        self._booted = booted
+
+    def booted(self):
+        if self._booted is None:
+            self._booted = os.path.isdir("/run/systemd/system")
+        return self._booted
+
+    def load_state(self, unit):
+        rc, out, err = self.run(["systemctl", "show", "--property=LoadState,ActiveState,ControlGroup", "--", unit])
+        props = {}
+        for line in (out or "").splitlines():
+            k, dummy, v = line.partition("=")
+            props[k.strip()] = v.strip()
+        return rc, props
+
+    def stop(self, unit, timeout=None):
+        argv = ["systemctl", "stop", "--", unit]
+        if timeout:
+            for d in ("/usr/bin", "/bin"):
+                if os.path.exists(os.path.join(d, "timeout")):
+                    argv = [os.path.join(d, "timeout"), "--kill-after=5", "%g" % float(timeout)] + argv
+                    break
+        return self.run(argv)
+
+
+def _now_iso():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def resolve_gpus(spec, gpus):
+    """Map ``spec`` (``all``, indices, UUIDs; ints or strings) to sorted GPU indices."""
+    by_index = dict((g["index"], g) for g in gpus)
+    by_uuid = dict((str(g["uuid"]).lower(), g["index"]) for g in gpus if g.get("uuid"))
+    out = set()
+    for item in spec or ["all"]:
+        s = str(item).strip()
+        if s.lower() == "all":
+            out.update(by_index)
+            continue
+        if s.isdigit():
+            if int(s) not in by_index:
+                raise DrainError("unknown GPU index %s (this host has %s)" % (s, sorted(by_index) or "no GPUs"))
+            out.add(int(s))
+            continue
+        key = s.lower()
+        if key in by_uuid:
+            out.add(by_uuid[key])
+            continue
+        if "gpu-" + key in by_uuid:
+            out.add(by_uuid["gpu-" + key])
+            continue
+        raise DrainError("unknown GPU %r: not an index or UUID of this host" % s)
+    return sorted(out)
+
+
+def validate_params(p):
+    """Check parameters that need no host access; returns the compiled pattern."""
+    for k in ("grace_period", "kill_timeout", "release_timeout", "unit_stop_timeout"):
+        if float(p[k]) < 0:
+            raise DrainError("%s must be >= 0" % k)
+    if not 0.001 <= float(p["poll_interval"]) <= 5:
+        raise DrainError("poll_interval must be between 0.001 and 5 seconds")
+    if int(p["memory_tolerance_mib"]) < 0:
+        raise DrainError("memory_tolerance_mib must be >= 0")
+    for pid in p["pids"] or []:
+        if not S.valid_pid_value(pid):
+            raise DrainError("invalid PID %r in pids (must be an integer > 1)" % (pid,))
+    rx = None
+    if p.get("cmdline_pattern"):
+        try:
+            rx = re.compile(p["cmdline_pattern"])
+        except re.error as e:
+            raise DrainError("malformed cmdline_pattern %r: %s" % (p["cmdline_pattern"], e))
+    for pat in p["protected"] or []:
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise DrainError("malformed protected pattern %r: %s" % (pat, e))
+    for u in p["units"] or []:
+        if not u or "/" in u or u.startswith("-") or any(c.isspace() for c in u):
+            raise DrainError("malformed unit name %r" % (u,))
+    return rx
+
+
+def _unit_name(u):
+    return u if "." in u else u + ".service"
+
+
+def unit_members(units, proc_root="/proc"):
+    """``{unit: {pid: create_time}}`` of processes whose cgroup belongs to each unit."""
+    want = set(units)
+    out = dict((u, {}) for u in units)
+    for pid in H.list_pids(proc_root):
+        try:
+            with open(os.path.join(proc_root, str(pid), "cgroup")) as f:
+                cg = H.parse_cgroup(f.read())
+        except OSError:
+            continue
+        if cg["unit"] in want:
+            ct = H.create_time(pid, proc_root)
+            if ct is not None:
+                out[cg["unit"]][pid] = ct
+    return out
+
+
+def _brief(h, reason=None):
+    d = {"pid": h["pid"], "name": h.get("name"), "cmdline": h.get("cmdline"), "class": h.get("class"),
+         "pgid": h.get("pgid"), "unit": h.get("unit"), "gpus": h.get("gpus")}
+    if reason:
+        d["reason"] = reason
+    return d
+
+
+def snapshot(backend, matcher, proc_root="/proc", own=None):
+    gpus = backend.gpus()
+    table = S.process_table(proc_root)
+    own = S.own_tree(proc_root, table=table) if own is None else own
+    disc = H.discover(backend, gpus, matcher, own_tree=own, proc_root=proc_root)
+    return gpus, table, own, disc
+
+
+def gpu_facts(backend, matcher, proc_root="/proc"):
+    """Facts for ``gpu_info``: GPUs with memory and classified holders."""
+    gpus, table, own, disc = snapshot(backend, matcher, proc_root)
+    out = []
+    for g in gpus:
+        i = g["index"]
+        g = dict(g)
+        g["memory"] = disc["memory"].get(i, g.get("memory"))
+        g["holders"] = [H.public_holder(h) for pid, h in sorted(disc["holders"].items()) if i in h["gpus"]]
+        g["unresolved_processes"] = disc["unresolved"].get(i, [])
+        g["idle_used_mib"] = backend.idle_used_mib(i)
+        out.append(g)
+    hostwide = [H.public_holder(h) for pid, h in sorted(disc["holders"].items()) if not h["gpus"]]
+    return {"gpus": out, "hostwide_holders": hostwide, "driver": backend.driver(),
+            "unreadable_pids": disc["unreadable_pids"], "invalid_driver_pids": disc["invalid_driver_pids"]}
+
+
+def build_plan(disc, targets, p, rx, unit_procs, table, own):
+    """Decide who is signalled.  Pure function over discovered data.
+
+    Returns ``{"units", "signal": [holder brief + create_time], "skipped": [...],
+    "not_selected": [...], "allowed": {pid: create_time}}``.
+    """
+    T = set(targets)
+    hs = disc["holders"]
+    on_target = dict((pid, h) for pid, h in hs.items() if T & set(h["gpus"]))
+    explicit = set(p["pids"] or [])
+    by_selector = not (p["units"] or explicit or rx is not None)
+    all_mode = p["all_holders"] or by_selector
+    drain_mgmt = p["management_clients"] == "drain"
+    units = [_unit_name(u) for u in p["units"] or []]
+
+    desc_of_explicit = S.descendants(sorted(explicit), table) if explicit else set()
+    selected = {}
+    skipped = []
+    not_selected = []
+    for pid, h in sorted(on_target.items()):
+        cls = h["class"]
+        if cls == "self":
+            skipped.append(_brief(h, "own process tree"))
+            continue
+        if cls == "protected":
+            skipped.append(_brief(h, "protected (%s)" % h["protected_by"]))
+            continue
+        why = None
+        if all_mode and (cls == "compute" or drain_mgmt):
+            why = "holder of a target GPU"
+        elif pid in explicit:
+            why = "PID named in pids"
+        elif pid in desc_of_explicit and (cls == "compute" or drain_mgmt):
+            why = "descendant of a PID named in pids"
+        elif h.get("unit") in units:
+            why = "in unit %s" % h.get("unit")
+        elif rx is not None and rx.search(h.get("cmdline") or "") and (cls == "compute" or drain_mgmt):
+            why = "cmdline matches %r" % p["cmdline_pattern"]
+        if why:
+            selected[pid] = (h, why)
+        elif cls == "management":
+            skipped.append(_brief(h, "management client (no GPU context): left alone"))
+        else:
+            not_selected.append(_brief(h, "not selected by units / pids / cmdline_pattern"))
+
+    # Named PIDs that hold no target GPU themselves are signalled only when one of their
+    # descendants holds a target GPU (they are its owner); otherwise left alone.
+    for pid in sorted(explicit):
+        if pid in selected or pid in on_target:
+            continue
+        st = table.get(pid)
+        if st is None:
+            skipped.append({"pid": pid, "reason": "PID named in pids is not running"})
+            continue
+        kids = S.descendants([pid], table)
+        if pid in own:
+            skipped.append({"pid": pid, "reason": "own process tree"})
+        elif any(k in selected for k in kids):
+            info = H.describe_process(pid, disc.get("proc_root", "/proc")) or {"pid": pid}
+            info.setdefault("gpus", [])
+            info["class"] = "owner"
+            selected[pid] = (info, "PID named in pids (owner of GPU-holding descendants)")
+        else:
+            skipped.append({"pid": pid, "name": st.get("name"), "reason": "PID named in pids holds no target GPU"})
+
+    allowed = {}
+    sig = []
+    for pid, (h, why) in sorted(selected.items()):
+        d = _brief(h, why)
+        d["create_time"] = h.get("create_time")
+        d["dstate"] = bool(h.get("dstate"))
+        sig.append(d)
+        allowed[pid] = h.get("create_time")
+    # Leftovers of targeted units (holders or not) are the unit's own processes.
+    for u, members in (unit_procs or {}).items():
+        for pid, ct in members.items():
+            if pid in own or pid in allowed:
+                continue
+            h = hs.get(pid)
+            if h is not None and h["class"] in ("protected", "self"):
+                continue
+            allowed[pid] = ct
+    return {"units": units, "signal": sig, "skipped": skipped, "not_selected": not_selected,
+            "allowed": allowed}
+
+
+class _Timer(object):
+    def __init__(self, clock, t0):
+        self.clock = clock
+        self.t0 = t0
+
+    def rel(self):
+        return round(self.clock() - self.t0, 4)
+
+
+def _alive(pid, ct, proc_root):
+    """True while the process exists as the same process and is not a zombie."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat")) as f:
+            st = H.parse_stat(f.read())
+    except (OSError, ValueError, IndexError):
+        return False
+    if st["state"] in ("Z", "X"):
+        return False
+    now_ct = round(H.boot_time(proc_root) + st["starttime"] / float(H.CLK_TCK), 2)
+    return ct is None or abs(now_ct - ct) <= 0.011
+
+
+def _dstate(pid, proc_root):
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat")) as f:
+            return H.parse_stat(f.read())["state"] == "D"
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _gpu_ready(i, mem, procs, baseline, tol, ignore_pids, ignore_mib):
+    """(ready, reason) from one backend poll for GPU ``i``."""
+    listed = [x for x in procs.get(i, []) if x["pid"] not in ignore_pids]
+    limit = baseline + ignore_mib + tol
+    used = mem[i]["used_mib"]
+    if listed:
+        return False, "driver still lists PIDs %s" % sorted(set(x["pid"] for x in listed))
+    if used > limit:
+        return False, "memory used %d MiB > baseline %d MiB + tolerance %d MiB" % (used, baseline + ignore_mib, tol)
+    return True, None
+
+
+class Signaller(object):
+    """Where signals leave the process; tests substitute a fake."""
+
+    def send(self, pid, sig, create_time, proc_root):
+        return S.send_signal(pid, sig, create_time, proc_root)
+
+    def send_group(self, pgid, sig, expected, proc_root):
+        return S.send_group_signal(pgid, sig, expected, proc_root)
+
+
+def run_drain(backend, params, check_mode=False, systemd=None, proc_root="/proc",
+              clock=time.monotonic, sleep=time.sleep, t0=None, own=None, warn=None, signaller=None):
+    """Drain the selected GPUs.  Returns the module result (without ``diff`` rendering).
+
+    Raises :class:`DrainError` for bad parameters before any signal or unit stop.
+    """
+    p = dict(DEFAULTS)
+    p.update(dict((k, v) for k, v in params.items() if v is not None or k == "memory_baseline_mib"))
+    for k in ("units", "pids", "protected", "gpus"):
+        p[k] = list(p.get(k) or ([] if k != "gpus" else ["all"]))
+    warn = warn or (lambda m: None)
+    signaller = signaller or Signaller()
+    t0 = clock() if t0 is None else t0
+    timer = _Timer(clock, t0)
+    rx = validate_params(p)
+    matcher = H.ProtectedMatcher(p["protected"], p["protected_defaults"])
+
+    gpus, table, own, disc = snapshot(backend, matcher, proc_root, own)
+    disc["proc_root"] = proc_root
+    if not gpus:
+        raise DrainError("no GPU found by the %s backend" % backend.name)
+    targets = resolve_gpus(p["gpus"], gpus)
+
+    units = [_unit_name(u) for u in p["units"]]
+    unit_procs = {}
+    if units:
+        if systemd is None or not systemd.booted():
+            raise DrainError("units %s given, but systemd is not running on this host" % units)
+        for u in units:
+            rc, props = systemd.load_state(u)
+            if rc != 0 or props.get("LoadState") in (None, "", "not-found"):
+                raise DrainError("unknown systemd unit %s (LoadState=%s)" % (u, props.get("LoadState")))
+        unit_procs = unit_members(units, proc_root)
+
+    plan = build_plan(disc, targets, p, rx, unit_procs, table, own)
+    for pid_info in disc["invalid_driver_pids"]:
+        warn("driver reported an invalid PID %(pid)s on GPU %(gpu)s; ignored" % pid_info)
+    for i, lst in disc["unresolved"].items():
+        if i in targets:
+            for u in lst:
+                warn("GPU %s: driver PID %s cannot be mapped to a local process (%s); it will not be signalled"
+                     % (i, u["pid"], u["reason"]))
+
+    hs = disc["holders"]
+    baseline = {}
+    keep_mib = {}
+    for i in targets:
+        baseline[i] = int(p["memory_baseline_mib"]) if p["memory_baseline_mib"] is not None else backend.idle_used_mib(i)
+        keep_mib[i] = sum((h["gpu_memory_mib"].get(i) or 0) for h in hs.values()
+                          if h["class"] in ("protected", "self") and i in h["gpus"])
+    ignore_pids = set(pid for pid, h in hs.items() if h["class"] in ("protected", "self"))
+
+    before = {}
+    for i in targets:
+        before[i] = [_brief(h) for pid, h in sorted(hs.items()) if i in h["gpus"]]
+
+    actions = []
+    result = {"changed": False, "check_mode": bool(check_mode), "targets": targets,
+              "backend": backend.driver(),
+              "plan": {"units": plan["units"], "signal": plan["signal"], "skipped": plan["skipped"],
+                       "not_selected": plan["not_selected"]},
+              "actions": actions}
+    would_change = bool(plan["units"] or plan["signal"])
+
+    if check_mode:
+        gres = []
+        remaining_pids = set(x["pid"] for x in plan["not_selected"])
+        for i in targets:
+            g = next(x for x in gpus if x["index"] == i)
+            m = disc["memory"][i]
+            blockers = [x for x in plan["not_selected"] if i in (x.get("gpus") or [])]
+            blockers += [{"pid": u["pid"], "reason": u["reason"]} for u in disc["unresolved"].get(i, [])]
+            if blockers:
+                verdict = "blocked"
+            elif any(i in (x.get("gpus") or []) for x in plan["signal"]):
+                verdict = "planned"
+            else:
+                ok, why = _gpu_ready(i, disc["memory"], disc["processes"], baseline[i],
+                                     int(p["memory_tolerance_mib"]), ignore_pids, keep_mib[i])
+                verdict = "ready" if ok else "blocked"
+                if not ok:
+                    blockers.append({"reason": why})
+            gres.append({"index": i, "uuid": g["uuid"], "verdict": verdict, "blocked_by": blockers,
+                         "memory_before": m, "memory_after": None, "baseline_mib": baseline[i],
+                         "holders": [H.public_holder(h) for pid, h in sorted(hs.items()) if i in h["gpus"]],
+                         "time_to_exit_s": None, "time_to_release_s": None})
+        result.update({"changed": would_change, "gpus": gres, "ready": all(x["verdict"] == "ready" for x in gres),
+                       "elapsed_s": timer.rel()})
+        planned = set(x["pid"] for x in plan["signal"])
+        result["diff"] = {"before": before,
+                          "after": dict((i, [b for b in before[i] if b["pid"] not in planned or b["pid"] in remaining_pids])
+                                        for i in targets)}
+        return result
+
+    tol = int(p["memory_tolerance_mib"])
+    poll = float(p["poll_interval"])
+    # ---------------------------------------------------------------- 1. stop units
+    for u in plan["units"]:
+        a = {"t": timer.rel(), "time": _now_iso(), "action": "systemctl_stop", "unit": u}
+        rc, out, err = systemd.stop(u, timeout=p["unit_stop_timeout"])
+        a.update({"rc": rc, "duration_s": round(timer.rel() - a["t"], 4)})
+        if rc != 0:
+            a["error"] = (err or out or "").strip()[:500]
+            warn("systemctl stop %s failed (rc=%s): %s" % (u, rc, a["error"]))
+        actions.append(a)
+        result["changed"] = True
+    first_signal_t = actions[0]["t"] if actions else None
+
+    # Targets: planned holders still alive + unit leftovers (now, after the stop).
+    allowed = dict(plan["allowed"])
+    if plan["units"]:
+        for u, members in unit_members(plan["units"], proc_root).items():
+            for pid, ct in members.items():
+                if pid in own or pid in ignore_pids:
+                    continue
+                if pid not in allowed:
+                    allowed[pid] = ct
+    alive = dict((pid, ct) for pid, ct in allowed.items() if _alive(pid, ct, proc_root))
+    exit_t = {}
+    for pid in allowed:
+        if pid not in alive:
+            exit_t[pid] = timer.rel()
+    protected_pids = set(pid for pid, h in hs.items() if h["class"] == "protected")
+
+    def signal_round(sig, signame):
+        table_now = S.process_table(proc_root)
+        done = set()
+        pids_now = [pid for pid in sorted(alive) if _alive(pid, alive[pid], proc_root)]
+        groups = {}
+        if p["signal_process_group"]:
+            for pid in pids_now:
+                st = table_now.get(pid)
+                if st:
+                    groups.setdefault(st["pgid"], []).append(pid)
+        for pgid, pids in sorted(groups.items()):
+            ok, why, members = S.group_ok(pgid, table_now, list(alive), own, protected_pids)
+            if not ok:
+                continue
+            expected = {}
+            for m in members:
+                expected[m] = H.create_time(m, proc_root)
+            # members outside the validated targets are descendants: check their identity
+            bad = [m for m in members if m in alive and expected[m] is not None and abs(expected[m] - alive[m]) > 0.011]
+            if bad:
+                continue
+            a = {"t": timer.rel(), "time": _now_iso(), "action": "killpg", "signal": signame,
+                 "pgid": pgid, "pids": members}
+            err = signaller.send_group(pgid, sig, expected, proc_root)
+            if err:
+                a["error"] = err
+            else:
+                done.update(members)
+            actions.append(a)
+        for pid in pids_now:
+            if pid in done:
+                continue
+            why = S.check_pid(pid, alive[pid], own, protected_pids, allowed, proc_root)
+            a = {"t": timer.rel(), "time": _now_iso(), "action": "kill", "signal": signame, "pid": pid}
+            if why is None:
+                why = signaller.send(pid, sig, alive[pid], proc_root)
+            if why:
+                a["error"] = why
+            actions.append(a)
+        return bool(pids_now)
+
+    def wait_exit(deadline):
+        while True:
+            now_rel = timer.rel()
+            for pid in list(alive):
+                if not _alive(pid, alive[pid], proc_root):
+                    exit_t[pid] = now_rel
+                    del alive[pid]
+            if not alive or clock() >= deadline:
+                return
+            sleep(poll)
+
+    if alive:
+        if signal_round(signal.SIGTERM, "SIGTERM"):
+            result["changed"] = True
+            if first_signal_t is None:
+                first_signal_t = next(a["t"] for a in actions if a["action"] in ("kill", "killpg"))
+        wait_exit(clock() + float(p["grace_period"]))
+        if alive:
+            if signal_round(signal.SIGKILL, "SIGKILL"):
+                result["changed"] = True
+            wait_exit(clock() + float(p["kill_timeout"]))
+
+    survivors = dict((pid, {"dstate": _dstate(pid, proc_root)}) for pid in alive)
+
+    # ---------------------------------------------------------------- 3. readiness
+    release_t = {}
+    last_reason = {}
+    deadline = clock() + float(p["release_timeout"])
+    pending = set(targets)
+    known = {}
+    for i in targets:
+        known[i] = set(x["pid"] for x in plan["not_selected"] if i in (x.get("gpus") or []))
+        known[i] |= set(u["pid"] for u in disc["unresolved"].get(i, []))
+    while pending:
+        mem, procs = backend.poll(targets)
+        now_rel = timer.rel()
+        for i in sorted(pending):
+            ok, why = _gpu_ready(i, mem, procs, baseline[i], tol, ignore_pids, keep_mib[i])
+            if ok:
+                release_t[i] = now_rel
+                pending.discard(i)
+                continue
+            last_reason[i] = why
+            listed = set(x["pid"] for x in procs.get(i, []) if x["pid"] not in ignore_pids)
+            if listed and listed <= known[i]:
+                pending.discard(i)  # held by processes we were not asked to (or cannot) touch
+        if not pending or clock() >= deadline:
+            break
+        sleep(poll)
+    pending = set(targets) - set(release_t)
+
+    # Final confirmation through both views.
+    gpus2, table2, own2, disc2 = snapshot(backend, matcher, proc_root, own)
+    gres = []
+    for i in targets:
+        g = next(x for x in gpus if x["index"] == i)
+        remaining = [h for pid, h in sorted(disc2["holders"].items()) if i in h["gpus"]]
+        blockers = []
+        verdict = "ready"
+        for h in remaining:
+            if h["class"] in ("protected", "self"):
+                continue
+            if h["class"] == "management" and not (p["management_clients"] == "drain" and h["pid"] in allowed):
+                continue
+            if h["pid"] in survivors and survivors[h["pid"]]["dstate"] or h.get("dstate"):
+                blockers.append(_brief(h, "in D state (uninterruptible): survived SIGKILL; reboot needed"))
+                verdict = "needs_reboot"
+            elif h["pid"] in survivors:
+                blockers.append(_brief(h, "survived SIGKILL"))
+            elif h["pid"] in allowed:
+                blockers.append(_brief(h, "still holds the GPU after the drain"))
+            else:
+                blockers.append(_brief(h, "not selected by units / pids / cmdline_pattern" if h["class"] == "compute"
+                                       else "holds the GPU"))
+        for u in disc2["unresolved"].get(i, []):
+            blockers.append({"pid": u["pid"], "reason": "driver lists PID %s: %s" % (u["pid"], u["reason"])})
+        if i in pending and not blockers:
+            blockers.append({"reason": (last_reason.get(i) or "not ready") + " (memory held with no holder: a reset may be needed)"})
+        if blockers and verdict != "needs_reboot":
+            verdict = "blocked"
+        gpu_targets = [x["pid"] for x in plan["signal"] if i in (x.get("gpus") or [])]
+        exits = [exit_t[pid] for pid in gpu_targets if pid in exit_t]
+        tte = None
+        ttr = None
+        if first_signal_t is not None:
+            if exits and len(exits) == len(gpu_targets):
+                tte = round(max(exits) - first_signal_t, 4)
+            if gpu_targets and i in release_t and verdict == "ready":
+                ttr = round(release_t[i] - first_signal_t, 4)
+        gres.append({"index": i, "uuid": g["uuid"], "verdict": verdict, "blocked_by": blockers,
+                     "memory_before": disc["memory"][i], "memory_after": disc2["memory"][i],
+                     "baseline_mib": baseline[i],
+                     "holders": [H.public_holder(h) for pid, h in sorted(hs.items()) if i in h["gpus"]],
+                     "time_to_exit_s": tte, "time_to_release_s": ttr})
+    after = {}
+    for i in targets:
+        after[i] = [_brief(h) for pid, h in sorted(disc2["holders"].items()) if i in h["gpus"]]
+    result.update({"gpus": gres, "ready": all(x["verdict"] == "ready" for x in gres),
+                   "elapsed_s": timer.rel(), "diff": {"before": before, "after": after}})
+    return result

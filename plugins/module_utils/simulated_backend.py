@@ -1,0 +1,253 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuflow maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Simulated GPU backend driven by a state directory (PRIVATE to gpuflow.eagle3).
+
+The state directory is created and populated by ``tools/gpu_sim.py`` (stdlib + psutil only,
+so it can be copied into containers).  Layout (format 1)::
+
+    <state>/state.json          {"format": 1, "gpu_count": N, "release_delay_s": 0.1}
+    <state>/gpus/<index>.json   one per GPU, see GPU_FIELDS below
+    <state>/dev/nvidia<minor>   per-GPU "device nodes" (regular files) that holders keep open
+    <state>/dev/nvidiactl, <state>/dev/nvidia-uvm, <state>/dev/nvidia-caps/nvidia-cap1
+                                host-wide nodes
+    <state>/holders/<pid>.json  memory registry: {"pid", "create_time", "gpus": {"<index>": mib},
+                                "context": bool, "dead_since": float|null}
+
+Behaviour, following FIELD_NOTES.md (measured on an H200):
+
+* a holder's memory counts while its process is alive (same PID *and* create time, not a
+  zombie); an ignored SIGTERM therefore keeps the memory, and so do orphans;
+* once the process is gone, its memory is released ``release_delay_s`` (0.1 s) after the
+  first reader noticed the exit (readers poll every few ms, so this is within a poll
+  interval of the real exit); the record is then deleted;
+* a management client opens the device files but registers no memory and no context, so it
+  is absent from :meth:`processes`, as bare NVML clients are on real hardware.
+
+Per-GPU JSON fields (``GPU_FIELDS``) include what a reset simulation (issue 4) needs:
+``persistence_mode``, ``mig_mode``, ``retired_pages_pending``, ``remapped_rows_pending``,
+``remapped_rows_failure``, ``health`` (``ok``/``unhealthy``) and ``reset``:
+``{"supported": bool, "busy": bool, "unhealthy_after_reset": bool, "count": int}``.
+:meth:`SimulatedBackend.read_gpu_state` / :meth:`SimulatedBackend.update_gpu_state` read and
+atomically rewrite that file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import (
+    BackendError,
+    BackendUnavailable,
+    GpuBackend,
+)
+
+try:
+    import psutil
+    HAS_PSUTIL = True
+except ImportError:  # pragma: no cover - psutil is a controller requirement
+    psutil = None
+    HAS_PSUTIL = False
+
+FORMAT = 1
+GPU_FIELDS = (
+    "index", "uuid", "name", "minor", "pci_bus_id", "memory_total_mib", "memory_reserved_mib",
+    "baseline_used_mib", "persistence_mode", "mig_mode", "retired_pages_pending",
+    "remapped_rows_pending", "remapped_rows_failure", "health", "reset",
+)
+CREATE_TIME_TOLERANCE = 0.05
+
+
+def _atomic_write_json(path, data):
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(data, f, sort_keys=True)
+        f.flush()
+    os.replace(tmp, path)
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def process_alive(pid, create_time):
+    """True when ``pid`` runs and is the same process (create time) and not a zombie."""
+    try:
+        p = psutil.Process(int(pid))
+        if abs(p.create_time() - float(create_time)) > CREATE_TIME_TOLERANCE:
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, TypeError):
+        return False
+
+
+class SimulatedBackend(GpuBackend):
+    name = "simulated"
+
+    def __init__(self, state_dir, clock=time.time):
+        if not HAS_PSUTIL:
+            raise BackendUnavailable("the simulated backend needs psutil", missing_lib="psutil")
+        self.state_dir = os.path.realpath(state_dir)
+        self.clock = clock
+        state_file = os.path.join(self.state_dir, "state.json")
+        if not os.path.isfile(state_file):
+            raise BackendUnavailable(
+                "simulated GPU state directory %s is not initialised (run tools/gpu_sim.py init)" % state_dir)
+        try:
+            self.state = _read_json(state_file)
+        except (OSError, ValueError) as e:
+            raise BackendError("cannot read %s: %s" % (state_file, e))
+        if self.state.get("format") != FORMAT:
+            raise BackendError("unsupported simulated state format %r" % self.state.get("format"))
+        self.release_delay = float(self.state.get("release_delay_s", 0.1))
+        self.dev_prefix = os.path.join(self.state_dir, "dev") + os.sep
+        self._gpu_cache = None
+
+    # --- per-GPU state (also used by gpu_reset simulation) ----------------------------
+    def _gpu_path(self, index):
+        return os.path.join(self.state_dir, "gpus", "%d.json" % int(index))
+
+    def read_gpu_state(self, index):
+        try:
+            return _read_json(self._gpu_path(index))
+        except (OSError, ValueError) as e:
+            raise BackendError("cannot read simulated GPU %s: %s" % (index, e))
+
+    def update_gpu_state(self, index, **fields):
+        data = self.read_gpu_state(index)
+        data.update(fields)
+        _atomic_write_json(self._gpu_path(index), data)
+        self._gpu_cache = None
+        return data
+
+    def _all_gpu_states(self):
+        if self._gpu_cache is None:
+            count = int(self.state.get("gpu_count", 0))
+            self._gpu_cache = [self.read_gpu_state(i) for i in range(count)]
+        return self._gpu_cache
+
+    # --- memory registry ------------------------------------------------------------
+    def _holder_records(self):
+        """Live (or recently dead, not yet released) records, with garbage collection."""
+        hdir = os.path.join(self.state_dir, "holders")
+        out = []
+        try:
+            names = os.listdir(hdir)
+        except OSError:
+            return out
+        now = self.clock()
+        for n in names:
+            if not n.endswith(".json"):
+                continue
+            path = os.path.join(hdir, n)
+            try:
+                rec = _read_json(path)
+            except (OSError, ValueError):
+                continue  # being written or removed
+            if process_alive(rec.get("pid"), rec.get("create_time")):
+                out.append(rec)
+                continue
+            dead_since = rec.get("dead_since")
+            if dead_since is None:
+                rec["dead_since"] = now
+                try:
+                    _atomic_write_json(path, rec)
+                except OSError:
+                    pass
+                out.append(rec)
+            elif now - float(dead_since) < self.release_delay:
+                out.append(rec)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        return out
+
+    # --- interface ---------------------------------------------------------------------
+    def gpus(self):
+        states = self._all_gpu_states()
+        mem = self.memory([s["index"] for s in states])
+        out = []
+        for s in states:
+            out.append({
+                "index": s["index"],
+                "uuid": s["uuid"],
+                "name": s.get("name"),
+                "minor": s.get("minor", s["index"]),
+                "pci_bus_id": s.get("pci_bus_id"),
+                "persistence_mode": s.get("persistence_mode"),
+                "mig_mode": s.get("mig_mode"),
+                "retired_pages_pending": s.get("retired_pages_pending"),
+                "remapped_rows_pending": s.get("remapped_rows_pending"),
+                "remapped_rows_failure": s.get("remapped_rows_failure"),
+                "memory": mem[s["index"]],
+            })
+        return out
+
+    def poll(self, indices):
+        states = {s["index"]: s for s in self._all_gpu_states()}
+        recs = self._holder_records()
+        mem = {}
+        procs = {}
+        for i in indices:
+            if i not in states:
+                raise BackendError("no simulated GPU with index %s" % i)
+            s = states[i]
+            held = 0
+            plist = []
+            for r in recs:
+                mib = r.get("gpus", {}).get(str(i))
+                if mib is None:
+                    continue
+                held += int(mib)
+                if r.get("context", True):
+                    plist.append({"pid": int(r["pid"]), "used_mib": int(mib), "type": "compute"})
+            total = int(s["memory_total_mib"])
+            reserved = int(s.get("memory_reserved_mib", 0))
+            used = int(s.get("baseline_used_mib", 0)) + held
+            mem[i] = {"total_mib": total, "used_mib": used, "reserved_mib": reserved,
+                      "free_mib": max(total - reserved - used, 0), "api": "v2"}
+            procs[i] = plist
+        return mem, procs
+
+    def memory(self, indices):
+        return self.poll(indices)[0]
+
+    def processes(self, indices):
+        return self.poll(indices)[1]
+
+    def classify_device_path(self, path):
+        if not path.startswith(self.dev_prefix):
+            return None
+        rest = path[len(self.dev_prefix):]
+        if rest.startswith("nvidia") and rest[6:].isdigit():
+            return ("gpu", int(rest[6:]))
+        if rest in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset") or rest.startswith("nvidia-caps/"):
+            return ("hostwide", path)
+        return None
+
+    def idle_used_mib(self, index):
+        for s in self._all_gpu_states():
+            if s["index"] == index:
+                return int(s.get("baseline_used_mib", 0))
+        raise BackendError("no simulated GPU with index %s" % index)
+
+    # --- gpu_reset hooks (issue 4): the simulation's rules live in gpu_reset.py -------
+    def reset_gpus(self, indices, timeout=None):
+        from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import simulate_reset
+        return simulate_reset(self, [int(i) for i in indices])
+
+    def reset_gpu(self, index):
+        return self.reset_gpus([index])
+
+    def set_persistence_mode(self, index, enabled):
+        from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import simulate_persistence
+        return simulate_persistence(self, int(index), enabled)
+
+    def driver(self):
+        return {"backend": self.name, "driver_version": "simulated", "nvml_version": None,
+                "state_dir": self.state_dir}
