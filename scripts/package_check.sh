@@ -7,11 +7,19 @@ WORK="$ROOT/.cache/package"
 rm -rf "$WORK" && mkdir -p "$WORK/dist" "$WORK/collections"
 cd "$ROOT"
 ansible-galaxy collection build --force --output-path "$WORK/dist" .
-ansible-galaxy collection install --offline -p "$WORK/collections" "$WORK"/dist/gpuflow-eagle3-*.tar.gz
+# Point the collection path at the scratch folder only, so the checkout link is not "already installed".
+export ANSIBLE_COLLECTIONS_PATH="$WORK/collections"
+ansible-galaxy collection install --offline --force -p "$WORK/collections" "$WORK"/dist/gpuflow-eagle3-*.tar.gz
 installed="$WORK/collections/ansible_collections/gpuflow/eagle3"
-for module in "$installed"/plugins/modules/*.py; do
+shopt -s nullglob
+modules=("$installed"/plugins/modules/*.py)
+if [[ ${#modules[@]} -eq 0 ]]; then
+    echo "package_check: no modules in the installed collection" >&2
+    exit 1
+fi
+for module in "${modules[@]}"; do
     name="gpuflow.eagle3.$(basename "$module" .py)"
-    ANSIBLE_COLLECTIONS_PATH="$WORK/collections" ansible-doc "$name" > "$WORK/$(basename "$module" .py).txt"
+    ansible-doc "$name" > "$WORK/$(basename "$module" .py).txt"
     echo "ansible-doc $name: $(wc -l < "$WORK/$(basename "$module" .py).txt") lines"
 done
 # Test material must not ship.
