@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Run molecule scenarios offline against locally built systemd containers.
+#
+#   scripts/molecule.sh                 every scenario under molecule/
+#   scripts/molecule.sh default fleet   just these, in this order
+#   MOLECULE_ACTION=converge scripts/molecule.sh default   any other molecule command
+#
+# Ensures first: a Docker engine (scripts/dockerd.sh), the image (scripts/build_image.sh),
+# the collection link .cache/collections/ansible_collections/gpuflow/eagle3 -> repo root.
+# Runs each scenario even when an earlier one failed; exits non-zero if any failed; prints
+# per-scenario wall time. Uses the venv at .venv (override: GPUFLOW_VENV). Holds a lock
+# (/tmp/gpuflow-molecule.lock) so that two runs on one machine take turns.
+set -uo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
+VENV=${GPUFLOW_VENV:-$ROOT/.venv}
+ACTION=${MOLECULE_ACTION:-test}
+
+say() { printf '[molecule.sh] %s\n' "$*" >&2; }
+fmt() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+
+cd "$ROOT" || exit 1
+if [ ! -x "$VENV/bin/molecule" ]; then
+  say "no molecule in $VENV; install requirements/test.txt into it first"; exit 1
+fi
+export PATH="$VENV/bin:$PATH"
+# stray settings from ansible-test or a caller would change what molecule runs
+unset _ANSIBLE_COVERAGE_CONFIG ANSIBLE_PYTHON_INTERPRETER ANSIBLE_CONFIG ANSIBLE_STDOUT_CALLBACK
+export ANSIBLE_COLLECTIONS_PATH="$ROOT/.cache/collections"
+export PY_COLORS=0 ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
+
+if [ $# -gt 0 ]; then
+  scenarios=("$@")
+else
+  scenarios=()
+  for f in molecule/*/molecule.yml; do
+    [ -e "$f" ] && scenarios+=("$(basename "$(dirname "$f")")")
+  done
+fi
+if [ ${#scenarios[@]} -eq 0 ]; then say "no scenarios under molecule/"; exit 1; fi
+for s in "${scenarios[@]}"; do
+  [ -f "molecule/$s/molecule.yml" ] || { say "no scenario molecule/$s"; exit 1; }
+done
+
+# One run at a time on this machine: container names are global to the engine, and two
+# runs of one scenario share molecule's ephemeral directory (one prunes it under the other).
+LOCK=${GPUFLOW_MOLECULE_LOCK:-/tmp/gpuflow-molecule.lock}
+exec 9>>"$LOCK"
+if ! flock -n 9; then
+  say "another scripts/molecule.sh run holds $LOCK; waiting for it"
+  flock 9
+fi
+
+t0=$(date +%s)
+"$HERE/dockerd.sh" start || { say "docker engine unavailable"; exit 1; }
+t1=$(date +%s)
+"$HERE/build_image.sh" >/dev/null || { say "image build failed"; exit 1; }
+t2=$(date +%s)
+say "engine ready in $(fmt $((t1 - t0))), image ready in $(fmt $((t2 - t1)))"
+
+link=.cache/collections/ansible_collections/gpuflow/eagle3
+if [ "$(readlink "$link" 2>/dev/null)" != "../../../.." ]; then
+  mkdir -p "$(dirname "$link")" && ln -sfn ../../../.. "$link"
+fi
+
+declare -a report
+failed=0
+for s in "${scenarios[@]}"; do
+  say "=== molecule $ACTION -s $s ==="
+  start=$(date +%s)
+  molecule "$ACTION" -s "$s"
+  rc=$?
+  took=$(fmt $(($(date +%s) - start)))
+  if [ $rc -eq 0 ]; then
+    report+=("$s|passed|$took")
+  else
+    report+=("$s|FAILED (rc=$rc)|$took"); failed=1
+    # leave nothing running behind a failed test
+    [ "$ACTION" = test ] && molecule destroy -s "$s" >/dev/null 2>&1
+  fi
+  IFS='|' read -r _ status took <<<"${report[-1]}"
+  say "=== $s: $status in $took ==="
+done
+
+say "summary (molecule $ACTION; engine $(fmt $((t1 - t0))), image $(fmt $((t2 - t1))), total $(fmt $(($(date +%s) - t0)))):"
+for line in "${report[@]}"; do
+  IFS='|' read -r name status took <<<"$line"
+  printf '  %-24s %-18s %s\n' "$name" "$status" "$took" >&2
+done
+exit $failed
