@@ -10,7 +10,7 @@ PIP_VERSION=24.2
 export HOME="$WORK/home"
 mkdir -p "$HOME/.ansible/test/cache" "$WORK/wheels"
 
-if ! ls "$WORK/wheels"/pip-"$PIP_VERSION"-*.whl >/dev/null 2>&1; then
+if ! ls "$WORK/wheels/pip-$PIP_VERSION"-*.whl >/dev/null 2>&1; then
     "$ROOT/.venv/bin/pip" download --quiet --no-deps --only-binary=:all: "pip==$PIP_VERSION" -d "$WORK/wheels"
 fi
 cat > "$HOME/.ansible/test/cache/get_pip_${PIP_VERSION//./_}.py" <<PY

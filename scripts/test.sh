@@ -3,26 +3,37 @@
 # Phases: unit lint sanity package integration molecule.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$ROOT"
+cd "$ROOT" || exit 1
 export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_CONFIG="$ROOT/ansible.cfg" PYTHONUNBUFFERED=1
 
-phase_unit()        { pytest -q tests/unit; }
-phase_lint()        { ansible-lint --profile production; }
-phase_sanity()      { scripts/sanity.sh; }
-phase_package()     { scripts/package_check.sh; }
-phase_integration() { pytest -q tests/integration; }
-phase_molecule()    { scripts/molecule.sh; }
+run_phase() {
+    case "$1" in
+        unit)        pytest -q tests/unit ;;
+        lint)        ansible-lint --profile production ;;
+        sanity)      scripts/sanity.sh ;;
+        package)     scripts/package_check.sh ;;
+        integration) pytest -q tests/integration ;;
+        molecule)    scripts/molecule.sh ;;
+    esac
+}
 
-declare -a summary=()
+for phase in "$@"; do
+    case "$phase" in
+        unit|lint|sanity|package|integration|molecule) ;;
+        *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
+    esac
+done
+
+summary=()
 failed=0
 start_all=$SECONDS
 for phase in "$@"; do
     echo "=== phase: $phase ==="
     start=$SECONDS
-    if "phase_$phase"; then verdict=ok; else verdict=FAILED; failed=1; fi
+    if run_phase "$phase"; then verdict=ok; else verdict=FAILED; failed=1; fi
     summary+=("$(printf '%-12s %-7s %5ds' "$phase" "$verdict" $((SECONDS - start)))")
 done
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"
 printf '%-12s %-7s %5ds\n' total "$([[ $failed == 0 ]] && echo ok || echo FAILED)" $((SECONDS - start_all))
-exit $failed
+exit "$failed"
