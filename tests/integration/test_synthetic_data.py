@@ -121,19 +121,8 @@ def test_kill_halfway_and_resume(env):
     assert KEY not in log  # no_log on every task that carries the API key
     print("first run (install/start/launch): %.0f s" % (time.time() - t0))
 
-    # 2. the reasoning parser has work to do: reasoning is filled, token ids come back
-    # (random weights: sample a few seeds; most answers open with reasoning)
-    got = []
-    for seed in range(5):
-        d = chat(env["port"], {"model": "tiny", "messages": [{"role": "user", "content": "why?"}],
-                               "max_tokens": 32, "temperature": 1.0, "seed": seed, "min_tokens": 8,
-                               "return_token_ids": True})
-        assert d["prompt_token_ids"] and d["choices"][0]["token_ids"]
-        assert "reasoning_content" not in d["choices"][0]["message"]  # the field is `reasoning` now
-        got.append(bool(d["choices"][0]["message"].get("reasoning")))
-    assert any(got), got
-
-    # 3. kill the client (SIGKILL, a crash) once it is part of the way through
+    # 2. kill the client (SIGKILL, a crash) once it is part of the way through; first, while it
+    # is surely running (the chat requests below would let it finish)
     with open(os.path.join(out, "datagen.pid")) as f:
         cpid = int(f.read().split()[0])
 
@@ -161,6 +150,18 @@ def test_kill_halfway_and_resume(env):
     lines_before = sum(1 for n in ("rows.jsonl", "truncated.jsonl")
                        for line in open(os.path.join(out, n)) if line.strip())
     assert 0 < lines_before < 64
+
+    # 3. the reasoning parser has work to do: reasoning is filled, token ids come back
+    # (random weights: sample a few seeds; most answers open with reasoning)
+    got = []
+    for seed in range(5):
+        d = chat(env["port"], {"model": "tiny", "messages": [{"role": "user", "content": "why?"}],
+                               "max_tokens": 32, "temperature": 1.0, "seed": seed, "min_tokens": 8,
+                               "return_token_ids": True})
+        assert d["prompt_token_ids"] and d["choices"][0]["token_ids"]
+        assert "reasoning_content" not in d["choices"][0]["message"]  # the field is `reasoning` now
+        got.append(bool(d["choices"][0]["message"].get("reasoning")))
+    assert any(got), got
 
     # 4. rerun: resumes by prompt id, follows progress, writes the manifest
     log = run_playbook(PLAYBOOK, ev, env["root"])[1]
