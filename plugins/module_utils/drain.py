@@ -81,14 +81,21 @@ class Systemd(object):
             props[k.strip()] = v.strip()
         return rc, props
 
-    def stop(self, unit, timeout=None):
-        argv = ["systemctl", "stop", "--", unit]
+    def _unit_action(self, verb, unit, timeout=None):
+        """``systemctl <verb> -- unit``, bounded by coreutils' timeout when one is given."""
+        argv = ["systemctl", verb, "--", unit]
         if timeout:
             for d in ("/usr/bin", "/bin"):
                 if os.path.exists(os.path.join(d, "timeout")):
                     argv = [os.path.join(d, "timeout"), "--kill-after=5", "%g" % float(timeout)] + argv
                     break
         return self.run(argv)
+
+    def stop(self, unit, timeout=None):
+        return self._unit_action("stop", unit, timeout)
+
+    def start(self, unit, timeout=None):
+        return self._unit_action("start", unit, timeout)
 
 
 def _now_iso():

@@ -1042,17 +1042,7 @@ def read_state_file(path):
 
 
 def make_systemd(run, booted=None):
-    """A :class:`.drain.Systemd` that can also start units (restoring daemons)."""
+    """A :class:`.drain.Systemd` (it can also start units, for restoring daemons)."""
     from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import Systemd
 
-    class ResetSystemd(Systemd):
-        def start(self, unit, timeout=None):
-            argv = ["systemctl", "start", "--", unit]
-            if timeout:
-                for d in ("/usr/bin", "/bin"):
-                    if os.path.exists(os.path.join(d, "timeout")):
-                        argv = [os.path.join(d, "timeout"), "--kill-after=5", "%g" % float(timeout)] + argv
-                        break
-            return self.run(argv)
-
-    return ResetSystemd(run, booted=booted)
+    return Systemd(run, booted=booted)

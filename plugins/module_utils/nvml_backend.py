@@ -285,12 +285,6 @@ class NvmlBackend(GpuBackend):
         procs = dict((int(k), v) for k, v in res["processes"].items())
         return mem, procs
 
-    def memory(self, indices):
-        return self.poll(indices)[0]
-
-    def processes(self, indices):
-        return self.poll(indices)[1]
-
     def classify_device_path(self, path):
         return classify_real_device_path(path)
 

@@ -214,12 +214,6 @@ class SimulatedBackend(GpuBackend):
             procs[i] = plist
         return mem, procs
 
-    def memory(self, indices):
-        return self.poll(indices)[0]
-
-    def processes(self, indices):
-        return self.poll(indices)[1]
-
     def classify_device_path(self, path):
         if not path.startswith(self.dev_prefix):
             return None
