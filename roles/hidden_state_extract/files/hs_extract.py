@@ -490,6 +490,7 @@ def cmd_run(a):
         os.setsid()
         if os.fork() > 0:
             os._exit(0)
+        os.setpgid(0, 0)  # the job leads its own process group: one signal reaches it and its client
         log = os.open(paths["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)

