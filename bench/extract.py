@@ -50,7 +50,7 @@ def free_port():
 
 def git_commit():
     rev = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "roles", "bench"], cwd=REPO).returncode
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "roles", "bench"], cwd=REPO, check=False).returncode
     return rev + ("-dirty" if dirty else "")
 
 
@@ -76,7 +76,7 @@ def main():
     with open(os.path.join(data, "rows.jsonl"), "w") as f:
         for i in range(a.samples):
             n_prompt, n_out = rng.randint(16, 64), rng.randint(32, 160)
-            f.write(json.dumps({"id": str(i), "input_ids": [rng.randint(12, 700) for _ in range(n_prompt + n_out)],
+            f.write(json.dumps({"id": str(i), "input_ids": [rng.randint(12, 700) for k in range(n_prompt + n_out)],
                                 "loss_mask": [0] * n_prompt + [1] * n_out}) + "\n")
     open(os.path.join(data, "truncated.jsonl"), "w").close()
     port = free_port()
@@ -115,7 +115,7 @@ def main():
                 os.remove(os.path.join(out, n))
         p = subprocess.run([PLAYBOOK_BIN, "-i", os.path.join(root, "inv.yml"), os.path.join(root, "play.yml"),
                             "-e", "@" + os.path.join(root, "ev.json")], cwd=REPO, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
         if p.returncode != 0:
             sys.exit("role run failed:\n" + p.stdout[-4000:])
         prog = json.load(open(os.path.join(out, "progress.json")))

@@ -147,7 +147,7 @@ def read_header(path):
 def file_problem(path):
     """None when the file's header is complete and its size matches it, else the reason."""
     try:
-        _, expected = read_header(path)
+        expected = read_header(path)[1]
         actual = os.path.getsize(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return "unreadable header: %s" % e
