@@ -91,7 +91,7 @@ def main():
         "hidden_state_extract_port": port, "hidden_state_extract_layer_ids": [1, 2, 3],
         "hidden_state_extract_seq_length": 512, "hidden_state_extract_venv": SPEC_VENV,
         "hidden_state_extract_install": False, "hidden_state_extract_lib_dir": os.path.join(root, "lib"),
-        "hidden_state_extract_concurrency": a.concurrency, "hidden_state_extract_poll_interval": 1,
+        "hidden_state_extract_concurrency": a.concurrency, "hidden_state_extract_poll_interval": 5,
         "hidden_state_extract_gpu_check": False, "hidden_state_extract_stop_server": False,
     }
     os.makedirs(ev["hidden_state_extract_lib_dir"])

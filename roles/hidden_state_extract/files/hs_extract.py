@@ -436,7 +436,10 @@ class Job:
             self.child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
             while self.child.poll() is None:
                 self.progress("running")
-                time.sleep(a.progress_interval)
+                try:  # returns as soon as the client exits, not at the next tick
+                    self.child.wait(timeout=a.progress_interval)
+                except subprocess.TimeoutExpired:
+                    pass
         rc, self.child = self.child.returncode, None
         return rc
 
