@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, run_playbook
+from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
 
 pytestmark = pytest.mark.slow
 SPEC_WHEELHOUSE = os.path.join(CACHE, "wheelhouse", "speculators")
@@ -40,19 +40,6 @@ def inventory(hosts):
     lines += ["  vars:", "    ansible_connection: local",
               "    ansible_python_interpreter: '{{ ansible_playbook_python }}'", ""]
     return "\n".join(lines)
-
-
-def alive_group(pgid):
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open("/proc/%s/stat" % d) as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-                if int(rest[2]) == pgid and rest[0] != "Z":
-                    return True
-            except (OSError, ValueError, IndexError):
-                pass
-    return False
 
 
 def hs_files(out):
@@ -141,7 +128,7 @@ def env():
         try:
             with open(os.path.join(root, "home", "run", name)) as f:
                 pg = int(f.read().split()[0])
-            if pg > 1 and alive_group(pg):
+            if pg > 1 and group_members(pg):
                 os.killpg(pg, signal.SIGKILL)
         except (OSError, ValueError):
             pass

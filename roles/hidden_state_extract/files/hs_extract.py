@@ -66,6 +66,14 @@ def atomic_json(path, obj):
         os.close(dfd)
 
 
+def replace_json(path, obj):
+    """Atomic but not synced: for progress, rewritten every second and worthless after a crash."""
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(obj, f, sort_keys=True)
+    os.replace(tmp, path)
+
+
 def read_json(path, default=None):
     try:
         with open(path) as f:
@@ -224,6 +232,14 @@ def storage_bytes_per_token(storage, model_dtype, layers, hidden):
     return layers * hidden * DTYPE_BYTES[model_dtype] + 8
 
 
+def existing_dir(path):
+    """path, or its nearest ancestor that exists: where it will live once created."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def human(n):
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -269,8 +285,7 @@ def cmd_plan(a):
     existing = sum(size for i, size in present.items() if start <= i < end)
     needed = max(0, predicted - existing)
     with_margin = int(needed * (1 + a.margin)) + a.reserve_bytes
-    os.makedirs(a.hs_dir, exist_ok=True)
-    st = os.statvfs(a.hs_dir)
+    st = os.statvfs(existing_dir(a.hs_dir))
     free = st.f_bavail * st.f_frsize
     if with_margin > free:
         fp8_bytes = sum(shard_lengths) * storage_bytes_per_token("fp8", cfg["dtype"], len(capture), cfg["hidden_size"])
@@ -283,8 +298,7 @@ def cmd_plan(a):
                "1 byte" if a.storage == "fp8" else "%d bytes" % DTYPE_BYTES[cfg["dtype"]], human(predicted),
                human(existing), int(a.margin * 100), human(a.reserve_bytes), a.hs_dir, human(free),
                human(fp8_bytes) if a.storage != "fp8" else "already fp8"))
-    os.makedirs(a.staging, exist_ok=True)
-    if os.stat(a.staging).st_dev != os.stat(a.hs_dir).st_dev:
+    if os.stat(existing_dir(a.staging)).st_dev != os.stat(existing_dir(a.hs_dir)).st_dev:
         problems.append("the connector's staging path %s and the output %s are on different filesystems: "
                         "files would be copied, not renamed, and an interruption could leave a truncated file; "
                         "put the staging path on the output's filesystem" % (a.staging, a.hs_dir))
@@ -389,25 +403,22 @@ def job_alive(out):
     return pid
 
 
-def shard_state(hs_dir, start, end):
-    present = list_hs(hs_dir)
-    mine = {i: s for i, s in present.items() if start <= i < end}
-    return mine
-
-
 class Job:
     def __init__(self, a):
         self.a = a
         self.p = job_paths(a.out)
-        self.ds_len = None
         self.child = None
         self.t0 = time.time()
         self.base_done = None
         self.passes = 0
 
+    def mine(self):
+        """{index: size} of the files of this job's shard."""
+        return {i: size for i, size in list_hs(self.a.hs_dir).items() if self.a.start <= i < self.a.end}
+
     def progress(self, state, extra=None):
         a = self.a
-        mine = shard_state(a.hs_dir, a.start, a.end)
+        mine = self.mine()
         done, total = len(mine), a.end - a.start
         if self.base_done is None:
             self.base_done = done
@@ -418,7 +429,10 @@ class Job:
              "elapsed_s": round(elapsed, 1), "pass": self.passes, "pid": os.getpid(),
              "rank": a.rank, "world_size": a.world_size, "updated": time.time()}
         p.update(extra or {})
-        atomic_json(self.p["progress"], p)
+        if state == "running":
+            replace_json(self.p["progress"], p)
+        else:
+            atomic_json(self.p["progress"], p)
         return p
 
     def one_pass(self):
@@ -454,7 +468,7 @@ class Job:
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
-        last_rc = None
+        last_rc, bad = None, []
         while self.passes < a.max_passes:
             self.passes += 1
             last_rc = self.one_pass()
@@ -462,21 +476,22 @@ class Job:
             if not bad:
                 self.progress("extracted", {"last_rc": last_rc})
                 return 0
-        self.progress("failed", {"last_rc": last_rc, "missing_or_bad": self.incomplete()[:20],
+        self.progress("failed", {"last_rc": last_rc, "missing_or_bad": bad[:20],
                                  "msg": "samples still missing after %d passes; see %s" % (self.passes, self.p["log"])})
         return 1
 
     def incomplete(self):
         a = self.a
-        mine = shard_state(a.hs_dir, a.start, a.end)
+        mine = self.mine()
         bad = [i for i in range(a.start, a.end) if i not in mine]
         bad += [i for i in sorted(mine) if file_problem(os.path.join(a.hs_dir, hs_name(i)))]
         return sorted(bad)
 
 
 def cmd_run(a):
-    if job_alive(a.out):
-        emit({"started": False, "running": True, "pid": job_alive(a.out)})
+    running = job_alive(a.out)
+    if running:
+        emit({"started": False, "running": True, "pid": running})
         return 0
     os.makedirs(a.hs_dir, exist_ok=True)
     a.start, a.end = shard_range(len(load_dataset(a.dataset)), a.world_size, a.rank)
