@@ -9,7 +9,6 @@ does nothing; the drafter drafts tokens in vLLM; two inventory hosts train toget
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 
@@ -106,11 +105,11 @@ def test_preflight_refusals_start_nothing(env):
         ({"eagle3_train_hidden_states_dir": os.path.join(env["work"], "nowhere")}, "Run\nhidden_state_extract first"),
     ]
     for overrides, message in cases:
-        rc, output, _ = train(env, out, check=False, **overrides)
+        rc, output = train(env, out, check=False, **overrides)[:2]
         assert rc != 0 and " ".join(message.split()) in " ".join(output.split()), output[-3000:]
     os.rename(freq, freq + ".aside")
     try:
-        rc, output, _ = train(env, out, check=False)
+        rc, output = train(env, out, check=False)[:2]
     finally:
         os.rename(freq + ".aside", freq)
     assert rc != 0 and "draft_vocab_size 256 needs the token frequency file" in " ".join(output.split())
@@ -122,7 +121,7 @@ def test_graceful_stop_leaves_a_complete_interrupted_checkpoint(env):
     proc = train(env, out, background=True, eagle3_train_epochs=40)
     try:
         wait_for(lambda: len(steps(out)) >= 8, 300, "8 training steps")
-        rc, output, _ = train(env, out, eagle3_train_action="stop")
+        output = train(env, out, eagle3_train_action="stop")[1]
         assert "interrupted checkpoint complete: True" in " ".join(output.split()), output[-3000:]
         assert proc.wait(timeout=120) != 0  # the following playbook sees its job end stopped
     finally:
@@ -155,7 +154,7 @@ def test_killed_midway_then_rerun_resumes_and_the_step_count_continues(env):
     with open(os.path.join(out, "checkpoints", "gpuflow-run.json")) as f:
         assert json.load(f)["identity"]
     seen = len(events(out))
-    rc, output, _ = train(env, out, **KILLED_RUN)
+    train(env, out, **KILLED_RUN)
     after = [e for e in events(out)[seen:] if e["kind"] == "train"]
     first = after[0]["global_step"]
     assert 0 < first <= before_kill + 1, (first, before_kill)
@@ -175,7 +174,7 @@ def test_rerun_after_completion_does_nothing(env):
     with open(os.path.join(out, "nodes", "0", "job.json")) as f:
         job = f.read()
     seen = len(events(out))
-    rc, output, recap = train(env, out, **KILLED_RUN)
+    output, recap = train(env, out, **KILLED_RUN)[1:]
     assert recap["changed"] == 0 and recap["failed"] == 0, output[-3000:]
     with open(os.path.join(out, "nodes", "0", "job.json")) as f:
         assert f.read() == job

@@ -40,7 +40,7 @@ def test_read_events_leaves_a_partly_written_line_for_later(tmp_path):
     assert [e["global_step"] for e in events] == [0]
     with open(path, "a") as f:
         f.write('in", "global_step": 1}\n')
-    events, _ = E.read_events(str(path), offset)
+    events = E.read_events(str(path), offset)[0]
     assert [e["global_step"] for e in events] == [1]
 
 

@@ -33,7 +33,6 @@ step and validation, rank 0), nodes/R/{job.json,progress.json,train.log}, dryrun
 drafter/, MANIFEST.json.
 """
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -130,7 +129,7 @@ def job_alive(out, rank):
     pid = info.get("pid") if info else None
     if not isinstance(pid, int) or pid <= 1:
         return None
-    args, _ = proc_args(pid)
+    args = proc_args(pid)[0]
     if not args or not any(x.endswith("e3_train.py") for x in args) or "run" not in args \
             or os.path.abspath(out) not in args:
         return None
@@ -304,10 +303,10 @@ class Job:
     def progress(self, state, extra=None):
         p = dict(self.last, state=state, node_rank=self.a.node_rank, pid=os.getpid(), updated=time.time(),
                  elapsed_s=round(time.time() - self.t0, 1))
-        tps = [t for _, _, t in self.steps if t]
+        tps = [step[2] for step in self.steps if step[2]]
         p["tokens_per_s"] = round(statistics.median(tps)) if tps else None
         if len(self.steps) >= 2 and p.get("total_steps"):
-            (t1, s1, _), (t2, s2, _) = self.steps[0], self.steps[-1]
+            (t1, s1), (t2, s2) = self.steps[0][:2], self.steps[-1][:2]
             rate = (s2 - s1) / (t2 - t1) if t2 > t1 else 0
             p["steps_per_s"] = round(rate, 3)
             p["eta_s"] = round((p["total_steps"] - s2 - 1) / rate) if rate > 0 else None
@@ -327,7 +326,7 @@ class Job:
             os.kill(pid, signal.SIGKILL)
         set_aside = []
         if self.a.node_rank == 0:
-            events, _ = read_events(self.metrics)
+            events = read_events(self.metrics)[0]
             for label in unfinished_saves(events):
                 src = os.path.join(self.save_path, label)
                 if os.path.isdir(src) and label.isdigit():
@@ -367,8 +366,8 @@ class Job:
         signal.signal(signal.SIGINT, self.on_signal)
         prep = self.prepare()
         self.offset = os.path.getsize(self.metrics) if os.path.exists(self.metrics) else 0
-        argv = [sys.executable, "-m", "torch.distributed.run"] + a.torchrun + [LAUNCHER, "--events", self.metrics,
-                                                                       "--node-rank", str(a.node_rank)] + a.train_args
+        launcher = [LAUNCHER, "--events", self.metrics, "--node-rank", str(a.node_rank)]
+        argv = [sys.executable, "-m", "torch.distributed.run"] + a.torchrun + launcher + a.train_args
         with open(os.path.join(self.dir, "train.log"), "ab") as log:
             log.write(("=== %s: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), " ".join(argv))).encode())
             log.flush()
@@ -480,7 +479,7 @@ def cmd_finish(a):
         raise SystemExit("the trained drafter %s does not load: %s" % (chosen, loaded["error"]))
     shutil.rmtree(drafter, ignore_errors=True)
     os.rename(tmp, drafter)
-    events, _ = read_events(os.path.join(a.out, "metrics.jsonl"))
+    events = read_events(os.path.join(a.out, "metrics.jsonl"))[0]
     train = [e for e in events if e.get("kind") == "train"]
     val = [e for e in events if e.get("kind") == "val"]
     saves, begun = [], {}
