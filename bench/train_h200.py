@@ -109,7 +109,8 @@ def main():
     ap.add_argument("--steps", type=int, default=80, help="max_steps of every run")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--timeout", type=int, default=480, help="seconds one run (role or direct) may take")
+    ap.add_argument("--timeout", type=int, default=600,
+                    help="seconds one run (role or direct) may take; a cold role round takes about 4 min")
     a = ap.parse_args()
     hidden_states = os.path.join(os.path.abspath(a.inputs), "hidden_states")
     if not os.path.exists(os.path.join(hidden_states, "MANIFEST.json")):

@@ -287,13 +287,15 @@ def machine(device):
 
 
 def git_commit():
-    """HEAD of this checkout (-dirty when roles/, tests/ or bench/ differ from it); on a copy without
-    .git, $GPUFLOW_COMMIT."""
+    """$GPUFLOW_COMMIT when set (the device machine's copy of the tree can carry a .git of an older
+    HEAD), else HEAD of this checkout (-dirty when roles/, tests/ or bench/ differ from it)."""
+    if os.environ.get("GPUFLOW_COMMIT"):
+        return os.environ["GPUFLOW_COMMIT"]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GPUFLOW_COMMIT", "unknown")
+        return "unknown"
     clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "roles", "tests", "bench"], cwd=REPO,
                            check=False).returncode == 0
     untracked = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "roles", "tests", "bench"],
