@@ -233,3 +233,13 @@ def test_two_hosts_train_together_as_two_torchrun_nodes(env):
     two_nodes = [e for e in events(out) if e["kind"] == "epoch"][0]
     assert two_nodes["steps_per_epoch"] < one_node["steps_per_epoch"]
     wait_for(lambda: not trainers(), 60, "the trainers to end")
+
+
+def test_two_hosts_without_one_shared_output_directory_are_refused_before_training(env):
+    base = os.path.join(env["work"], "train", "not-shared")
+    hosts = {"node-a": {"eagle3_train_output_dir": base + "-a"}, "node-b": {"eagle3_train_output_dir": base + "-b"}}
+    ev = dict(env["train_ev"], eagle3_train_rdzv_host="127.0.0.1", eagle3_train_rdzv_port=free_port())
+    rc, output = run_playbook(os.path.join(env["root"], "train.yml"), ev, env["root"], check=False,
+                              inventory=inventory(hosts, group="train"))[:2]
+    assert rc != 0 and "node-b do(es) not see" in " ".join(output.split()), output[-3000:]
+    assert not os.path.exists(os.path.join(base + "-a", "nodes")) and not os.path.exists(base + "-b")
