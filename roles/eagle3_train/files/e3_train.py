@@ -33,6 +33,7 @@ step and validation, rank 0), nodes/R/{job.json,progress.json,train.log}, dryrun
 drafter/, MANIFEST.json.
 """
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -279,7 +280,7 @@ class Job:
         self.torchrun = None
         self.stop_requested = None
         self.offset = 0
-        self.steps = []  # (time, global_step, tokens_per_s) of recent train records
+        self.steps = collections.deque(maxlen=50)  # (time, global_step, tokens_per_s) of recent train records
         self.last = {}
         self.t0 = time.time()
 
@@ -289,7 +290,7 @@ class Job:
             kind = e.get("kind")
             if kind == "train":
                 self.last.update(step=e["global_step"] + 1, epoch=e["epoch"], loss=e["train"].get("loss"))
-                self.steps = (self.steps + [(e["time"], e["global_step"], (e.get("profile") or {}).get("tokens_per_s"))])[-50:]
+                self.steps.append((e["time"], e["global_step"], (e.get("profile") or {}).get("tokens_per_s")))
             elif kind == "val":
                 self.last["val_loss"] = e["val"].get("loss_epoch")
             elif kind == "epoch":
@@ -326,8 +327,8 @@ class Job:
             os.kill(pid, signal.SIGKILL)
         set_aside = []
         if self.a.node_rank == 0:
-            events = read_events(self.metrics)[0]
-            for label in unfinished_saves(events):
+            unfinished = unfinished_saves(read_events(self.metrics)[0])
+            for label in unfinished:
                 src = os.path.join(self.save_path, label)
                 if os.path.isdir(src) and label.isdigit():
                     dst = "%s.incomplete-%d" % (src, int(time.time()))
@@ -336,7 +337,7 @@ class Job:
             # marked handled: a later save of the same label starts afresh
             if set_aside:
                 with open(self.metrics, "a") as f:
-                    for label in unfinished_saves(events):
+                    for label in unfinished:
                         f.write(json.dumps({"kind": "save_end", "checkpoint": label, "set_aside": True,
                                             "time": time.time()}) + "\n")
         return {"stale_trainers_stopped": stale, "incomplete_checkpoints_set_aside": set_aside}
