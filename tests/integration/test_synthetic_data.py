@@ -64,7 +64,7 @@ def env():
         "vllm_server_extra_args": ["--dtype", "bfloat16", "--enforce-eager"],
         "synthetic_data_name": "it",
         "synthetic_data_concurrency": 1,
-        "synthetic_data_max_tokens": 128,  # slow enough (concurrency 1) to be killed part-way
+        "synthetic_data_max_tokens": 384,  # slow enough (concurrency 1) that Ansible returns before the last row
         "synthetic_data_sampling_params": {"temperature": 1.0, "top_p": 1.0, "seed": 0, "min_tokens": 4},
         "synthetic_data_poll_interval": 2,
         "synthetic_data_lib_dir": os.path.join(root, "lib"),
