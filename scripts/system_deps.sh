@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Debian packages the full test suite needs. Installs only what is missing; safe to re-run.
 set -euo pipefail
-declare -A wanted=([docker.io]=dockerd [debootstrap]=debootstrap [shellcheck]=shellcheck)
+declare -A wanted=([docker.io]=dockerd [debootstrap]=debootstrap [shellcheck]=shellcheck
+                   [chromium]=chromium)  # headless screenshot of the pipeline report (tests/unit)
 missing=()
 for pkg in "${!wanted[@]}"; do
     command -v "${wanted[$pkg]}" >/dev/null 2>&1 || missing+=("$pkg")
