@@ -22,6 +22,12 @@ for module in "${modules[@]}"; do
     ansible-doc "$name" > "$WORK/$(basename "$module" .py).txt"
     echo "ansible-doc $name: $(wc -l < "$WORK/$(basename "$module" .py).txt") lines"
 done
+# The pipeline runs from the installed copy: its playbooks resolve by FQCN, every import and role
+# inside resolves, and its preflight (which changes nothing) passes on the shipped local inventory.
+ansible-playbook gpuflow.eagle3.pipeline -i "$installed/inventories/local" --syntax-check
+ansible-playbook gpuflow.eagle3.preflight -i "$installed/inventories/local" \
+    -e gpuflow_work_dir="$WORK/work" > "$WORK/preflight.log"
+echo "installed gpuflow.eagle3.preflight on inventories/local: $(grep -c '^ok:' "$WORK/preflight.log") checks ok"
 # Test material must not ship.
 if tar -tzf "$WORK"/dist/gpuflow-eagle3-*.tar.gz | grep -E '^(tests|molecule|bench)/'; then
     echo "package_check: test material found in the tarball" >&2
