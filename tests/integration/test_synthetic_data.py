@@ -101,17 +101,12 @@ def chat(port, body):
 def test_kill_halfway_and_resume(env):
     ev, out = env["ev"], env["out"]
     t0 = time.time()
-    # 1. install (or reuse) vLLM, make the tiny model, start and wait healthy, launch the client detached
-    log = run_playbook(PLAYBOOK, dict(ev, synthetic_data_wait=False), env["root"])[1]
-    assert "serves tiny at" in log
-    assert KEY not in log  # no_log on every task that carries the API key
-    print("first run (install/start/launch): %.0f s" % (time.time() - t0))
+    # 1. install (or reuse) vLLM, make the tiny model, start and wait healthy, launch the client detached;
+    # the playbook runs in the background so that its last tasks cannot delay the kill below
+    proc = run_playbook(PLAYBOOK, dict(ev, synthetic_data_wait=False), env["root"], background=True)
 
     # 2. kill the client (SIGKILL, a crash) once it is part of the way through; first, while it
     # is surely running (the chat requests below would let it finish)
-    with open(os.path.join(out, "datagen.pid")) as f:
-        cpid = int(f.read().split()[0])
-
     def lines_now():
         n = 0
         for name in ("rows.jsonl", "truncated.jsonl"):
@@ -122,15 +117,24 @@ def test_kill_halfway_and_resume(env):
                 pass
         return n
 
-    deadline = time.time() + 300
+    deadline = time.time() + 900
     done = 0
     while time.time() < deadline:
         done = lines_now()
         if done >= 8:
             break
+        assert proc.poll() in (None, 0), open(os.path.join(env["root"], "playbook.log")).read()[-4000:]
         time.sleep(0.005)
+    with open(os.path.join(out, "datagen.pid")) as f:
+        cpid = int(f.read().split()[0])
     assert alive(cpid), "the client finished before it could be killed (done=%d)" % done
     os.kill(cpid, signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0
+    with open(os.path.join(env["root"], "playbook.log")) as f:
+        log = f.read()
+    assert "serves tiny at" in log
+    assert KEY not in log  # no_log on every task that carries the API key
+    print("first run (install/start/launch): %.0f s" % (time.time() - t0))
     time.sleep(0.5)
     assert not os.path.exists(os.path.join(out, "MANIFEST.json"))
     lines_before = sum(1 for n in ("rows.jsonl", "truncated.jsonl")
@@ -185,6 +189,47 @@ def test_kill_halfway_and_resume(env):
     log, recap = run_playbook(PLAYBOOK, ev, env["root"])[1:]
     assert recap["changed"] == 0, log[-4000:]
     assert json.load(open(os.path.join(out, "MANIFEST.json")))["created"] == m["created"]
+
+
+TWO_HOSTS = ("all:\n  children:\n    inference:\n      hosts:\n        gen0:\n        gen1:\n"
+             "  vars:\n    ansible_connection: local\n"
+             "    ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
+
+
+def test_two_hosts_split_the_prompts_and_merge_them_exactly_once(env):
+    """Two inventory hosts of the inference group (both this machine, one server) each answer their
+    shard; the first merges them into one dataset; a rerun starts no client."""
+    root = env["root"]
+    out = os.path.join(root, "work", "synthetic_data", "split")
+    prompts = os.path.join(root, "work", "prompts", "tiny.jsonl")
+    playbook = os.path.join(root, "split.yml")
+    with open(playbook, "w") as f:
+        f.write("- hosts: inference\n  gather_facts: false\n  roles:\n    - gpuflow.eagle3.synthetic_data\n")
+    ev = {k: v for k, v in env["ev"].items() if k.startswith("synthetic_data_") or k.startswith("vllm_server_")}
+    ev.update({"synthetic_data_name": "split", "synthetic_data_prompts": prompts, "synthetic_data_output_dir": out,
+               "synthetic_data_endpoint": "http://127.0.0.1:%d" % env["port"], "synthetic_data_model": "tiny",
+               "synthetic_data_api_key": KEY, "synthetic_data_python": os.path.join(VENV, "bin", "python"),
+               "synthetic_data_max_tokens": 24, "synthetic_data_concurrency": 4})
+    log = run_playbook(playbook, ev, root, inventory=TWO_HOSTS)[1]
+    all_ids = [json.loads(line)["id"] for line in open(prompts)]
+    shard_ids = []
+    for rank in (0, 1):
+        shard = os.path.join(out, "shards", "rank-%d-of-2" % rank)
+        ids = [json.loads(line)["primary_id"] for name in ("rows.jsonl", "truncated.jsonl")
+               for line in open(os.path.join(shard, name))]
+        assert sorted(ids) == sorted(all_ids[rank::2])  # its own shard, nothing else
+        shard_ids += ids
+    merged = [json.loads(line)["primary_id"] for name in ("rows.jsonl", "truncated.jsonl")
+              for line in open(os.path.join(out, name))]
+    assert sorted(merged) == sorted(all_ids) == sorted(shard_ids)  # each prompt exactly once
+    m = json.load(open(os.path.join(out, "MANIFEST.json")))
+    assert m["status"] == "complete" and m["counts"]["done"] == m["counts"]["prompts"] == len(all_ids)
+    assert m["shard"]["world_size"] == 2 and len(m["this_run"]["shards"]) == 2
+    # a rerun finds the merged dataset complete: neither host starts a client
+    logs = {r: os.path.getsize(os.path.join(out, "shards", "rank-%d-of-2" % r, "datagen.log")) for r in (0, 1)}
+    recap = run_playbook(playbook, ev, root, inventory=TWO_HOSTS)[2]
+    assert recap["changed"] == 0, log[-3000:]
+    assert logs == {r: os.path.getsize(os.path.join(out, "shards", "rank-%d-of-2" % r, "datagen.log")) for r in (0, 1)}
 
 
 def test_stop_leaves_no_process(env):

@@ -28,8 +28,13 @@ Output directory:
   MANIFEST.json     written atomically at the end of a run
   datagen.pid       pid of the running client
 
+Several hosts share one prompt set with ``run --shard R/W``: this client answers the prompts whose
+position in the set is R modulo W, into its own directory (``shards/rank-R-of-W`` by the role's
+convention), and ``merge`` joins the W complete shard directories into one dataset with one
+manifest, refusing a prompt answered twice or missing.
+
 Subcommands: ``run`` (default), ``status`` (print progress.json),
-``wait`` (block up to N seconds for the run to end, print progress).
+``wait`` (block up to N seconds for the run to end, print progress), ``merge``.
 Needs Python >= 3.9 and aiohttp (the vLLM venv has it).
 """
 import argparse
@@ -304,6 +309,8 @@ class Run:
         self.template_kwargs = json.loads(a.chat_template_kwargs) if a.chat_template_kwargs else None
 
         prompts = load_prompts(a.prompts)
+        self.prompts_in_set = len(prompts)
+        prompts = prompts[a.shard_rank::a.shard_world]
         self.total = len(prompts)
         os.makedirs(self.out, exist_ok=True)
         cut = {p: repair_tail(p) for p in (self.rows_path, self.trunc_path, self.err_path)}
@@ -389,6 +396,7 @@ class Run:
                        "model": self.model, "endpoint": self.url, "vllm_version": self.vllm_version,
                        "max_tokens": a.max_tokens, "sampling_params": self.sampling,
                        "chat_template_kwargs": self.template_kwargs, "fingerprint": a.fingerprint},
+            "shard": {"rank": a.shard_rank, "world_size": a.shard_world, "prompts_in_set": self.prompts_in_set},
             "counts": {"prompts": self.total, "done": done, "rows": counts["rows"],
                        "truncated": counts["truncated"], "errors": missing,
                        "errors_this_run": self.errors_now, "retries_this_run": self.retries,
@@ -538,6 +546,89 @@ def cmd_wait(a):
         time.sleep(min(1.0, max(0.0, end - time.time())))
 
 
+def parse_shard(text):
+    rank, _, world = text.partition("/")
+    rank, world = int(rank), int(world or 1)
+    if not 0 <= rank < world:
+        raise argparse.ArgumentTypeError("shard must be R/W with 0 <= R < W, got %s" % text)
+    return rank, world
+
+
+def shard_dir(out_dir, rank, world):
+    return os.path.join(out_dir, "shards", "rank-%d-of-%d" % (rank, world))
+
+
+def cmd_merge(a):
+    """Join the complete shards of one prompt set into out_dir (rows, truncated, errors, MANIFEST)."""
+    problems, manifests = [], []
+    for rank in range(a.world_size):
+        m = None
+        try:
+            with open(os.path.join(shard_dir(a.out_dir, rank, a.world_size), "MANIFEST.json")) as f:
+                m = json.load(f)
+        except (OSError, ValueError):
+            problems.append("shard %d of %d has no manifest" % (rank, a.world_size))
+            continue
+        shard = m.get("shard", {})
+        if m.get("status") != "complete":
+            problems.append("shard %d is %s" % (rank, m.get("status")))
+        elif m["inputs"].get("fingerprint") != a.fingerprint:
+            problems.append("shard %d was made from other inputs" % rank)
+        elif (shard.get("rank"), shard.get("world_size")) != (rank, a.world_size):
+            problems.append("shard %d says it is %s" % (rank, shard))
+        manifests.append(m)
+    if problems:
+        print(json.dumps({"merged": False, "problems": problems}))
+        return 2
+    seen, duplicates = set(), 0
+    written = {}
+    for name in ("rows.jsonl", "truncated.jsonl", "errors.jsonl"):
+        tmp = os.path.join(a.out_dir, name + ".tmp")
+        with open(tmp, "w") as out:
+            for rank in range(a.world_size):
+                path = os.path.join(shard_dir(a.out_dir, rank, a.world_size), name)
+                for line in open(path) if os.path.exists(path) else []:
+                    if name != "errors.jsonl":
+                        pid = json.loads(line)["primary_id"]
+                        duplicates += pid in seen
+                        seen.add(pid)
+                    out.write(line)
+            out.flush()
+            os.fsync(out.fileno())
+        written[name] = tmp
+    total = manifests[0]["shard"]["prompts_in_set"]
+    counts = {k: sum(m["counts"][k] for m in manifests) for k in manifests[0]["counts"]}
+    counts["duplicates"] += duplicates
+    done = counts["done"]
+    ok = duplicates == 0 and counts["prompts"] == total and done + counts["errors"] == total
+    for name, tmp in written.items():
+        os.replace(tmp, os.path.join(a.out_dir, name))
+    inputs = dict(manifests[0]["inputs"], endpoint=[m["inputs"]["endpoint"] for m in manifests])
+    manifest = {
+        "schema": SCHEMA, "stage": "synthetic_data", "status": "complete" if ok else "failed",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "inputs": inputs, "shard": {"world_size": a.world_size, "prompts_in_set": total}, "counts": counts,
+        "tokens": {k: sum(m["tokens"][k] for m in manifests) for k in ("prompt", "completion", "total")},
+        "reasoning_fraction": round(sum(m["reasoning_fraction"] * m["counts"]["done"] for m in manifests) / done, 4)
+        if done else 0.0,
+        "think_leaks": sum(m["think_leaks"] for m in manifests),
+        "error_share": round(counts["errors"] / total, 4) if total else 0.0,
+        "error_threshold": manifests[0]["error_threshold"],
+        "this_run": {"requests": sum(m["this_run"]["requests"] for m in manifests),
+                     "completed": sum(m["this_run"]["completed"] for m in manifests),
+                     "requests_per_s": round(sum(m["this_run"]["requests_per_s"] for m in manifests), 3),
+                     "resume": {"done_before": sum(m["this_run"]["resume"]["done_before"] for m in manifests)},
+                     "shards": [{"rank": r, "prompts": m["counts"]["prompts"], "done": m["counts"]["done"],
+                                 "endpoint": m["inputs"]["endpoint"]} for r, m in enumerate(manifests)]},
+        "files": {n: {"lines": sum(1 for line in open(os.path.join(a.out_dir, n))),
+                      "sha256": sha256_file(os.path.join(a.out_dir, n))} for n in ("rows.jsonl", "truncated.jsonl")},
+    }
+    atomic_json(os.path.join(a.out_dir, "MANIFEST.json"), manifest)
+    print(json.dumps({"merged": ok, "status": manifest["status"], "counts": counts,
+                      "problems": [] if ok else ["%d prompt(s) answered twice" % duplicates]}))
+    return 0 if ok else 2
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd")
@@ -562,13 +653,21 @@ def main(argv=None):
     r.add_argument("--api-key-env", default="VLLM_API_KEY")
     r.add_argument("--fingerprint", default="", help="opaque identity of the inputs, stored in the manifest")
     r.add_argument("--detach", action="store_true")
+    r.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="R/W",
+                   help="answer only the prompts at positions R, R+W, R+2W, ... of the set (default 0/1: all)")
     s = sub.add_parser("status")
     s.add_argument("--out-dir", required=True)
     w = sub.add_parser("wait")
     w.add_argument("--out-dir", required=True)
     w.add_argument("--seconds", type=float, default=30)
+    m = sub.add_parser("merge")
+    m.add_argument("--out-dir", required=True, help="the dataset directory; shards are in OUT/shards/rank-R-of-W")
+    m.add_argument("--world-size", type=int, required=True)
+    m.add_argument("--fingerprint", required=True)
     a = ap.parse_args(argv)
-    fn = {"run": cmd_run, "status": cmd_status, "wait": cmd_wait}.get(a.cmd)
+    if a.cmd == "run":
+        a.shard_rank, a.shard_world = a.shard
+    fn = {"run": cmd_run, "status": cmd_status, "wait": cmd_wait, "merge": cmd_merge}.get(a.cmd)
     if not fn:
         ap.error("a subcommand is required")
     return fn(a)
