@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The local default pipeline end to end, then its no-op rerun, with the wall time of each stage.
 
 Runs `ansible-playbook playbooks/pipeline.yml` on inventories/local exactly as `make pipeline` does

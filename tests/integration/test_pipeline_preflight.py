@@ -130,7 +130,7 @@ def expect_failure(run, overrides, *needles, inventories=None):
 # (a) ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check_mode"])
 def test_seed_passes_with_room_for_the_budget(seed, tmp_path, check_mode):
-    run, _ = seed
+    run = seed[0]
     rc, out = run({}, check_mode=check_mode)
     assert rc == 0, out[-4000:]
     assert not (tmp_path / "data").exists(), "the work dir was created"
@@ -147,7 +147,7 @@ def test_seed_passes_with_room_for_the_budget(seed, tmp_path, check_mode):
 
 # (b) ---------------------------------------------------------------------------------------------
 def test_too_little_disk_names_needed_and_free_bytes(seed):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"gpuflow_disk_free_bytes": SEED_BUDGET - 1},
                    "disk budget. The hidden states of 10000 samples",
                    "need %d bytes" % SEED_BUDGET,
@@ -160,7 +160,7 @@ def test_measured_free_space_of_the_nearest_existing_parent(seed, tmp_path):
     """Without gpuflow_disk_free_bytes the filesystem is measured at the deepest existing parent of the
     hidden states' directory (the work dir does not exist yet), and 1.2 TB does not fit this disk. The
     parent is on another filesystem than / where there is one (/dev/shm), so measuring the wrong path shows."""
-    run, _ = seed
+    run = seed[0]
     other_fs = os.path.isdir("/dev/shm") and os.stat("/dev/shm").st_dev != os.stat("/").st_dev
     parent = "/dev/shm" if other_fs else str(tmp_path)
     work = os.path.join(parent, "gpuflow-preflight-test-%d" % os.getpid(), "gpuflow")
@@ -177,7 +177,7 @@ def test_measured_free_space_of_the_nearest_existing_parent(seed, tmp_path):
 
 def test_budget_planned_from_the_data_manifest(seed, tmp_path):
     """A complete data manifest beats gpuflow_expected_samples: its samples and (smaller) token count."""
-    run, _ = seed
+    run = seed[0]
     data = tmp_path / "data" / "gpuflow" / "synthetic_data" / "default"
     data.mkdir(parents=True)
     (data / "MANIFEST.json").write_text(json.dumps({
@@ -199,32 +199,32 @@ def test_budget_planned_from_the_data_manifest(seed, tmp_path):
     ([], "must be a non-empty list of integers"),
 ])
 def test_layer_ids_must_fit_the_model(seed, layer_ids, needle):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"hidden_state_extract_layer_ids": layer_ids}, needle)
 
 
 def test_train_layer_ids_must_be_the_extracted_ones(seed):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"eagle3_train_layer_ids": [2, 30, 59]},
                    "eagle3_train_layer_ids [2, 30, 59] differ from hidden_state_extract_layer_ids [2, 30, 58]")
 
 
 # sequence length -----------------------------------------------------------------------------------
 def test_seq_length_must_fit_the_server(seed):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"vllm_server_max_model_len": 2048},
                    "hidden_state_extract_seq_length 2048 does not fit vllm_server_max_model_len 2048")
 
 
 def test_train_total_seq_len_must_hold_a_sample(seed):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"eagle3_train_total_seq_len": 1024},
                    "eagle3_train_total_seq_len 1024 is below hidden_state_extract_seq_length 2048")
 
 
 # (d) ---------------------------------------------------------------------------------------------
 def test_empty_train_group(seed, tmp_path):
-    run, _ = seed
+    run = seed[0]
     inv = tmp_path / "inventory"
     inv.mkdir()
     with open(os.path.join(SEED, "hosts.yml")) as f:
@@ -237,31 +237,31 @@ def test_empty_train_group(seed, tmp_path):
 
 # (e) ---------------------------------------------------------------------------------------------
 def test_missing_model_path(seed, tmp_path):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"vllm_server_model_path": str(tmp_path / "models" / "nowhere")},
                    "the model directory %s is not on this host" % (tmp_path / "models" / "nowhere"))
 
 
 def test_model_dir_without_config(seed, tmp_path):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"vllm_server_model_path": str(tmp_path / "models")},
                    "%s holds no config.json" % (tmp_path / "models"))
 
 
 # (f) ---------------------------------------------------------------------------------------------
 def test_train_host_without_gpus(seed):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"eagle3_train_gpus": []}, "eagle3_train_gpus is empty on this train host",
                    "gpuflow_require_gpus is True")
 
 
 def test_serving_host_without_gpus(seed):
-    run, _ = seed
+    run = seed[0]
     expect_failure(run, {"vllm_server_gpus": []}, "vllm_server_gpus is empty on this inference host")
 
 
 def test_no_gpus_needed_when_not_required(seed):
-    run, _ = seed
+    run = seed[0]
     rc, out = run({"eagle3_train_gpus": [], "vllm_server_gpus": [], "gpuflow_require_gpus": False})
     assert rc == 0, out[-4000:]
     assert "GPUs on gpu-node-01: serve/extract CPU, train CPU (required: False)" in out

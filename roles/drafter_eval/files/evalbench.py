@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Measure one served model on a fixed prompt set, with vLLM's own counters.
 
 Sends every prompt once to /v1/chat/completions (greedy by default, ``ignore_eos`` so that both

@@ -547,7 +547,7 @@ def cmd_wait(a):
 
 
 def parse_shard(text):
-    rank, _, world = text.partition("/")
+    rank, world = (text.split("/", 1) + ["1"])[:2]
     rank, world = int(rank), int(world or 1)
     if not 0 <= rank < world:
         raise argparse.ArgumentTypeError("shard must be R/W with 0 <= R < W, got %s" % text)
