@@ -12,3 +12,6 @@ if not os.path.islink(LINK):
 if COLLECTIONS_DIR not in sys.path:
     sys.path.insert(0, COLLECTIONS_DIR)
 os.environ.setdefault("ANSIBLE_CONFIG", os.path.join(REPO_ROOT, "ansible.cfg"))
+# helpers shared by the unit and integration tests (report_screenshot)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from extract_env import SPEC_VENV, SPEC_WHEELHOUSE
+from report_screenshot import figure_blue_share, non_white_share, screenshot
 from vllm_localhost import CACHE, PLAYBOOK_BIN, REPO, VENV, ensure_wheelhouse, free_port
 
 ROOT = os.path.join(CACHE, "it", "pipeline")
@@ -151,21 +152,9 @@ def test_first_run_trains_evaluates_and_reports(first_run):
 
 def test_report_renders_in_headless_chromium_with_its_figures(first_run, tmp_path):
     """The page as a person sees it: Chromium's screenshot is not blank and shows the figures."""
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        if os.environ.get("GPUFLOW_REQUIRE_CHROMIUM"):
-            pytest.fail("GPUFLOW_REQUIRE_CHROMIUM is set but chromium is not installed (scripts/system_deps.sh)")
-        pytest.skip("chromium is not installed (scripts/system_deps.sh installs it)")
-    from matplotlib import image
-    shot = tmp_path / "report.png"
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    "--screenshot=%s" % shot, "--window-size=1280,4000", "file://" + os.path.join(REPORT, "report.html")],
-                   capture_output=True, timeout=120, check=False, env=dict(os.environ, HOME=str(tmp_path)))
-    pixels = image.imread(str(shot))[..., :3]
-    assert (pixels.min(axis=2) < 0.95).mean() > 0.06, "the screenshot is (nearly) blank"
-    # the figures' blue (#1565c0) is on no other part of the page: the browser loaded the PNGs
-    blue = (abs(pixels - [0x15 / 255, 0x65 / 255, 0xc0 / 255]).max(axis=2) < 0.04).mean()
-    assert blue > 0.001, "no figure in the screenshot"
+    pixels = screenshot(os.path.join(REPORT, "report.html"), tmp_path)
+    assert non_white_share(pixels) > 0.06, "the screenshot is (nearly) blank"
+    assert figure_blue_share(pixels) > 0.001, "no figure in the screenshot"
 
 
 def launch_logs():
