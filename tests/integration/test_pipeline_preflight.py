@@ -235,6 +235,20 @@ def test_empty_train_group(seed, tmp_path):
     expect_failure(run, {}, "preflight: the inventory group(s) train have no hosts", inventories=[str(inv)])
 
 
+def test_two_extract_hosts_need_a_shared_work_dir(seed, tmp_path):
+    run = seed[0]
+    inv = tmp_path / "inventory"
+    inv.mkdir()
+    with open(os.path.join(SEED, "hosts.yml")) as f:
+        hosts = yaml.safe_load(f)
+    hosts["all"]["children"]["extract"]["hosts"]["gpu-node-02"] = None
+    (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    shutil.copytree(os.path.join(SEED, "group_vars"), str(inv / "group_vars"))
+    expect_failure(run, {}, "preflight: 2 extract hosts without a shared work directory", inventories=[str(inv)])
+    rc, out = run({"gpuflow_work_dir_shared": True}, [str(inv)])
+    assert "extract hosts without a shared work directory" not in out
+
+
 # (e) ---------------------------------------------------------------------------------------------
 def test_missing_model_path(seed, tmp_path):
     run = seed[0]

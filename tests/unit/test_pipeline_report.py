@@ -72,7 +72,9 @@ def test_full_report_has_every_section_and_real_figures(tmp_path):
     assert "1.28x" in section(page, "evaluation") and "1.43" in section(page, "evaluation")
     resumptions = section(page, "resumptions")
     assert "generate skipped, already done" in resumptions
-    assert "train resumed after an interruption" in resumptions
+    # each resumption of the work is listed, also one of an earlier run that failed before its report
+    assert "extract resumed in run 20261201T040100Z: run 20261201T035500Z had stopped" in resumptions
+    assert "train resumed in run 20261201T041300Z: run 20261201T040100Z had stopped" in resumptions
 
 
 def test_page_renders_in_headless_chromium(tmp_path):

@@ -403,6 +403,12 @@ def job_alive(out):
     return pid
 
 
+def die_with_parent():
+    """In the client, before exec: SIGTERM when the job dies, so a killed job leaves no client writing on."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Job:
     def __init__(self, a):
         self.a = a
@@ -447,7 +453,7 @@ class Job:
         with open(self.p["log"], "ab") as log:
             log.write(("=== pass %d: %s\n" % (self.passes, " ".join(argv))).encode())
             log.flush()
-            self.child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            self.child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
             while self.child.poll() is None:
                 self.progress("running")
                 try:  # returns as soon as the client exits, not at the next tick
@@ -528,8 +534,14 @@ def cmd_run(a):
 
 
 def cmd_status(a):
-    p = read_json(job_paths(a.out)["progress"], {"state": "absent"})
+    paths = job_paths(a.out)
+    p = read_json(paths["progress"], {"state": "absent"})
     p["running"] = job_alive(a.out) is not None
+    if not p["running"] and p["state"] in ("starting", "running"):
+        # the job had no chance to write its last state: SIGKILL, the OOM killer, a reboot
+        p["state"] = "died"
+        p["msg"] = "the extraction job (pid %s) is gone without a final state (killed?); see %s" % (
+            p.get("pid", "?"), paths["log"])
     emit(p)
     return 0
 

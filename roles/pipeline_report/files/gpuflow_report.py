@@ -440,8 +440,9 @@ def section_resumptions(data, _base, _figures):
         detail = (": " + stage["detail"]) if stage.get("detail") else ""
         if stage.get("status") == "skipped":
             items.append("%s skipped, already done%s" % (stage.get("name", "?"), detail))
-        elif stage.get("status") == "resumed":
-            items.append("%s resumed after an interruption%s" % (stage.get("name", "?"), detail))
+    for resumed in data.get("resumptions") or []:
+        items.append("%s resumed in run %s: run %s had stopped before the stage finished (interrupted or failed)" % (
+            resumed.get("stage", "?"), resumed.get("run_id", "?"), resumed.get("interrupted_run", "?")))
     for name, manifest in sorted((data.get("manifests") or {}).items()):
         resume = dig(manifest, "this_run.resume") or {}
         if resume.get("done_before"):

@@ -11,7 +11,8 @@ What it adds to speculators' command: detached running (``--detach``), progress 
 ``progress.json`` (done / total, tokens, rate, ETA), resume keyed by prompt id (a
 torn last line is cut off first), retries with backoff and jitter only on
 transient errors (connection errors, timeouts, 408/409/425/429/5xx; other 4xx fail
-at once), rows cut by ``finish_reason == "length"`` kept apart in
+at once), a stop without using up retries when the server refuses connections for
+``--server-gone-after`` seconds (stopped or crashed: the prompts stay to do), rows cut by ``finish_reason == "length"`` kept apart in
 ``truncated.jsonl``, reasoning presence measured, and an atomic ``MANIFEST.json``
 with counts, tokens, errors, truncations and the reasoning fraction; exit status 2
 when the error share crosses ``--error-threshold``.
@@ -151,6 +152,10 @@ class Fatal(Exception):
     pass
 
 
+class ServerGone(Exception):
+    """Nothing has listened at the endpoint for --server-gone-after seconds: stopped or crashed."""
+
+
 class Run:
     def __init__(self, a):
         self.a = a
@@ -170,6 +175,8 @@ class Run:
         self.stop = False
         self.state = "running"
         self.last_error = None
+        self.aborted = None
+        self.refused_since = None  # first refused connection since the last answer
 
     # -- progress ------------------------------------------------------------
     def progress(self, final=False):
@@ -219,9 +226,22 @@ class Run:
                     if r.status != 200:
                         raise Fatal("HTTP %d: %s" % (r.status, text[:300]))
                     data = json.loads(text)
+                self.refused_since = None
                 return self.make_row(item, data, time.time() - t, attempt)
             except Fatal:
                 raise
+            except (self.aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
+                # A refused connection is a server that is down or restarting, not a bad prompt: it does not
+                # use up the prompt's retries; the run stops (the prompt stays to do) once it lasts too long.
+                self.last_error = "%s: %s" % (type(e).__name__, str(e)[:300])
+                now = time.time()
+                self.refused_since = self.refused_since or now
+                if now - self.refused_since >= a.server_gone_after:
+                    raise ServerGone("the server at %s refused connections for %.0f s: it was stopped or crashed. "
+                                     "Start it and rerun: finished prompts are kept"
+                                     % (self.url, now - self.refused_since)) from e
+                await asyncio.sleep(min(a.backoff_base, a.server_gone_after / 4) * random.uniform(0.5, 1.5))
+                continue
             except (Transient, asyncio.TimeoutError, self.aiohttp.ClientError, ConnectionError) as e:
                 self.last_error = "%s: %s" % (type(e).__name__, str(e)[:300])
                 if attempt > a.max_retries:
@@ -270,6 +290,11 @@ class Run:
                 return
             try:
                 row = await self.one(http, item)
+            except ServerGone as e:
+                self.aborted = self.last_error = str(e)
+                self.state = "aborted"
+                self.stop = True
+                return
             except Fatal as e:
                 self.errors_now += 1
                 self.last_error = str(e)[:300]
@@ -277,6 +302,7 @@ class Run:
                                                "time": time.time()}) + "\n")
                 files["err"].flush()
                 if self.a.max_consecutive_errors and self.consecutive_errors_inc() >= self.a.max_consecutive_errors:
+                    self.aborted = "%d prompts failed in a row; the last: %s" % (self.consecutive, self.last_error)
                     self.state = "aborted"
                     self.stop = True
                 continue
@@ -407,6 +433,7 @@ class Run:
             "reasoning_fraction": round(reasoning / done, 4) if done else 0.0,
             "think_leaks": leaks,
             "error_share": round(error_share, 4), "error_threshold": a.error_threshold,
+            "aborted": self.aborted,
             "this_run": {"requests": self.done_now + self.errors_now, "completed": self.done_now,
                          "request_phase_s": round(req_s, 3),
                          "requests_per_s": round(self.done_now / req_s, 3),
@@ -648,6 +675,8 @@ def main(argv=None):
     r.add_argument("--connect-timeout", type=float, default=60.0)
     r.add_argument("--max-consecutive-errors", type=int, default=0,
                    help="abort the run after this many prompts fail in a row (0: never)")
+    r.add_argument("--server-gone-after", type=float, default=60.0,
+                   help="stop the run when the endpoint refuses connections this long (a rerun resumes)")
     r.add_argument("--error-threshold", type=float, default=0.01,
                    help="fail (exit 2, status failed) when more than this share of prompts has no row")
     r.add_argument("--api-key-env", default="VLLM_API_KEY")

@@ -1,0 +1,63 @@
+"""After converge, idempotence and the side effect: what each receiving container holds, compared file by
+file with the container that made it (sha256 computed on each side by sha256sum, not by the tool)."""
+import json
+import os
+
+import pytest
+import testinfra
+
+WORK = "/var/lib/gpuflow"
+MOVES = [  # what, source, receiver, directory, top-level names that stay behind
+    ("dataset", "inference-1", "extract-1", WORK + "/synthetic_data/default", []),
+    ("hidden_states", "extract-1", "train-1", WORK + "/hidden_states/default", [".cache", "staging"]),
+    ("drafter", "train-1", "inference-1", WORK + "/train/default/drafter", []),
+]
+OWN_RECORDS = ("SHA256SUMS.json", "TRANSFER.json")
+
+
+def container(name):
+    return testinfra.get_host("ansible://" + name, ansible_inventory=os.environ["MOLECULE_INVENTORY_FILE"])
+
+
+def sha256_of_files(host, directory):
+    """{relative path: sha256} of every file under directory, the transfer's own records left out."""
+    out = host.check_output("cd %s && find . -type f -print0 | sort -z | xargs -0 sha256sum" % directory)
+    sums = {}
+    for line in out.splitlines():
+        digest, path = line.split(None, 1)
+        path = path[2:]  # "./"
+        if path not in OWN_RECORDS:
+            sums[path] = digest
+    return sums
+
+
+@pytest.mark.parametrize("what, source, receiver, directory, excluded", MOVES, ids=[m[0] for m in MOVES])
+def test_every_file_arrived_with_the_source_sha256(what, source, receiver, directory, excluded):
+    made = sha256_of_files(container(source), directory)
+    expected = {p: d for p, d in made.items() if p.split("/")[0] not in excluded}
+    assert len(expected) >= 2
+    if excluded:  # the source had files that stay behind
+        assert len(expected) < len(made)
+    assert sha256_of_files(container(receiver), directory) == expected
+
+
+@pytest.mark.parametrize("what, source, receiver, directory, excluded", MOVES, ids=[m[0] for m in MOVES])
+def test_transfer_record_names_the_source_and_its_record(what, source, receiver, directory, excluded):
+    record = json.loads(container(receiver).file(directory + "/TRANSFER.json").content_string)
+    manifest = "config.json" if what == "drafter" else "MANIFEST.json"
+    source_digest = container(source).check_output("sha256sum %s/%s" % (directory, manifest)).split()[0]
+    assert record["source"] == source and record["verified"] is True
+    assert record["manifest_sha256"] == source_digest
+
+
+def test_side_effect_changes_were_moved_again():
+    # the lost hidden-state file is back, the new drafter record reached the evaluating host
+    assert container("train-1").file(WORK + "/hidden_states/default/hs/hs_1.safetensors").exists
+    drafter = json.loads(container("inference-1").file(WORK + "/train/default/drafter/config.json").content_string)
+    assert drafter.get("run") == 2
+
+
+@pytest.mark.parametrize("name", ["inference-1", "extract-1", "train-1"])
+def test_no_archive_or_unverified_copy_is_left(name):
+    left = container(name).check_output("find %s -name '*.transfer.tar' -o -name '*.incoming'" % WORK)
+    assert left == ""
