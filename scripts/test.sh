@@ -12,7 +12,7 @@ run_phase() {
         lint)        ansible-lint --profile production ;;
         sanity)      scripts/sanity.sh ;;
         package)     scripts/package_check.sh ;;
-        integration) pytest -q tests/integration ;;
+        integration) pytest -q --durations=12 tests/integration ;;
         molecule)    scripts/molecule.sh ;;
     esac
 }

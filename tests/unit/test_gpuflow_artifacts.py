@@ -1,4 +1,4 @@
-"""playbooks/files/gpuflow_artifacts.py, the checksum tool of the pipeline's transfer step: what the source
+"""playbooks/tasks/files/gpuflow_artifacts.py, the checksum tool of the pipeline's transfer step: what the source
 lists, what a copy is checked against, and when a host counts as already holding a verified copy."""
 import json
 import os
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "playbooks", "files", "gpuflow_artifacts.py")
+TOOL = os.path.join(REPO, "playbooks", "tasks", "files", "gpuflow_artifacts.py")
 
 
 def tool(*args):
