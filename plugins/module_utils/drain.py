@@ -227,6 +227,8 @@ def build_plan(disc, targets, p, rx, unit_procs, table, own):
     units = [_unit_name(u) for u in p["units"] or []]
 
     desc_of_explicit = S.descendants(sorted(explicit), table) if explicit else set()
+    owners = _pattern_owners(on_target, rx, table, own, drain_mgmt, disc.get("proc_root", "/proc")) if rx else {}
+    desc_of_owners = S.descendants(sorted(owners), table) if owners else set()
     selected = {}
     skipped = []
     not_selected = []
@@ -243,6 +245,10 @@ def build_plan(disc, targets, p, rx, unit_procs, table, own):
             why = "holder of a target GPU"
         elif pid in explicit:
             why = "PID named in pids"
+        elif pid in owners:
+            why = "cmdline matches %r (owner of GPU-holding descendants)" % p["cmdline_pattern"]
+        elif pid in desc_of_owners and (cls == "compute" or drain_mgmt):
+            why = "descendant of a process whose cmdline matches %r" % p["cmdline_pattern"]
         elif pid in desc_of_explicit and (cls == "compute" or drain_mgmt):
             why = "descendant of a PID named in pids"
         elif h.get("unit") in units:
@@ -276,6 +282,10 @@ def build_plan(disc, targets, p, rx, unit_procs, table, own):
         else:
             skipped.append({"pid": pid, "name": st.get("name"), "reason": "PID named in pids holds no target GPU"})
 
+    for pid, info in sorted(owners.items()):
+        if pid not in selected:
+            selected[pid] = (info, "cmdline matches %r (owner of GPU-holding descendants)" % p["cmdline_pattern"])
+
     allowed = {}
     sig = []
     for pid, (h, why) in sorted(selected.items()):
@@ -295,6 +305,34 @@ def build_plan(disc, targets, p, rx, unit_procs, table, own):
             allowed[pid] = ct
     return {"units": units, "signal": sig, "skipped": skipped, "not_selected": not_selected,
             "allowed": allowed}
+
+
+def _pattern_owners(on_target, rx, table, own, drain_mgmt, proc_root):
+    """``{pid: process info}`` of the processes whose cmdline matches ``rx`` and that own a holder of a
+    target GPU that may be drained: its parent, grandparent and so on, as long as each matches (vLLM's API
+    server above its engine above its tensor-parallel workers).  Draining them with their holders stops
+    such a server as a whole.  The climb stops at the first ancestor that does not match, so a shell or a
+    terminal multiplexer that started the server is never an owner, and a process that matches but owns
+    no holder is not one either."""
+    holders = [pid for pid, h in on_target.items()
+               if h["class"] == "compute" or (h["class"] == "management" and drain_mgmt)]
+    owners, seen = {}, set()
+    for holder in sorted(holders):
+        cur = (table.get(holder) or {}).get("ppid", 0)
+        while cur > 1 and cur not in seen and cur not in own:
+            seen.add(cur)
+            h = on_target.get(cur)
+            if h is not None and h["class"] in ("protected", "self"):
+                break
+            info = h or H.describe_process(cur, proc_root)
+            if not info or not rx.search(info.get("cmdline") or ""):
+                break
+            info = dict(info)
+            info.setdefault("gpus", [])
+            info.setdefault("class", "owner")
+            owners[cur] = info
+            cur = info.get("ppid", 0)
+    return owners
 
 
 class _Timer(object):

@@ -16,8 +16,10 @@ description:
     way), classifies them (see M(gpuflow.eagle3.gpu_info)) and ends only the selected, unprotected ones.
   - Selection is by owner, restricted to holders of the target GPUs. O(units) are stopped through systemd first,
     then their cgroup's leftovers are signalled. O(pids) are signalled together with their descendants that hold a
-    target GPU. O(cmdline_pattern) applies only to processes holding a target GPU. When none of these is given, or
-    with O(all_holders=true), every unprotected compute holder of the target GPUs is drained.
+    target GPU. O(cmdline_pattern) selects holders of a target GPU that match, and the matching owners above a
+    holder (its parent, grandparent and so on while each matches), with all their holding descendants: vLLM's API
+    server goes with its engine and workers. When none of these is given, or with O(all_holders=true), every
+    unprotected compute holder of the target GPUs is drained.
   - Escalation is C(SIGTERM) to the holder's process group where that group holds only drain targets and their
     descendants (never a protected process, never this module's own group; else to each PID), a poll until the
     holders exit or O(grace_period) passes, C(SIGKILL) to the survivors, and a poll up to O(kill_timeout). Every
@@ -60,8 +62,12 @@ options:
     default: []
   cmdline_pattern:
     description:
-      - Regular expression searched in the command line of holders of the target GPUs; matching holders are
-        drained. Processes that hold no target GPU are never matched.
+      - Regular expression searched in the command line of holders of the target GPUs and of their ancestors.
+        Matching holders are drained. A matching process that holds no target GPU is drained when it owns a
+        holder through a chain of matching processes (vLLM's API server above its engine and workers), together
+        with its holding descendants, so that a server stops as a whole and its process group can take one signal.
+        The climb stops at the first ancestor that does not match (a shell, a terminal multiplexer). A process that
+        matches but owns no holder of a target GPU is never drained.
     type: str
   all_holders:
     description:

@@ -207,6 +207,42 @@ def test_s5_management_client_and_cpu_vllm_untouched(sim):
     assert sim.alive(mgmt["pid"]) and sim.alive(dcgm["pid"]) and sim.alive(cpu)
 
 
+OWNER = """
+import subprocess, sys
+state_dir, ready = sys.argv[-2:]
+# the engine: holds GPU 0 and does not match the pattern itself
+engine = subprocess.Popen([sys.executable, %r, "hold", "--state-dir", state_dir, "--gpu", "0", "--mib", "8192",
+                           "--tag", "engine-core", "--ready-file", ready])
+engine.wait()
+""" % GPU_SIM
+
+
+def test_pattern_owner_holding_no_gpu_is_drained_with_its_holder_as_a_group(sim):
+    """vLLM's shape: an API server (matches, holds nothing) above an engine (holds the GPU, does not
+    match). Both go, with one signal to their group; a bystander that matches but owns nothing stays."""
+    ready = os.path.join(sim.tmp, "engine.json")
+    owner = subprocess.Popen([PY, "-c", OWNER, "vllm", "serve", "tiny", sim.state_dir, ready],
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sim._remember(owner.pid)
+    deadline = time.time() + 20
+    while not os.path.exists(ready) and time.time() < deadline:
+        time.sleep(0.02)
+    with open(ready) as f:
+        engine = json.load(f)["pid"]
+    sim._remember(engine)
+    bystander = sim.idle("--comm", "python3", "vllm", "serve", "--cpu-only")
+
+    rc, res, dummy = ansible("gpu_drain", {"gpus": ["0"], "cmdline_pattern": "vllm"}, sim.state_dir)
+    assert rc == 0 and res["ready"], res
+    reasons = dict((x["pid"], x["reason"]) for x in res["plan"]["signal"])
+    assert sorted(reasons) == sorted([owner.pid, engine])
+    assert "owner of GPU-holding descendants" in reasons[owner.pid]
+    assert "descendant of a process whose cmdline matches" in reasons[engine]
+    assert signals(res) == [("killpg", "SIGTERM", owner.pid)]  # the whole group at once
+    assert not sim.alive(owner.pid) and not sim.alive(engine)
+    assert sim.alive(bystander)
+
+
 def test_s6_drain_gpu1_only(sim):
     keep = sim.hold("--gpu", "0", "--mib", "30000")
     go = sim.hold("--gpu", "1", "--mib", "40000")

@@ -151,6 +151,21 @@ def test_pattern_only_touches_target_gpu_holders(tmp_path):
     assert h.fp.alive(BASE + 2) and h.fp.alive(BASE + 3)
 
 
+def test_pattern_owner_chain_stops_at_the_first_ancestor_that_does_not_match(tmp_path):
+    """tmux "vllm" > bash > vllm serve (no GPU) > engine (GPU 0): the server and its engine are selected,
+    the shell and the multiplexer that started it are not, although the multiplexer's cmdline matches."""
+    h = Host(tmp_path)
+    h.fp.add(BASE + 1, comm="tmux: server", argv=["tmux", "new", "-s", "vllm"])
+    h.fp.add(BASE + 2, comm="bash", ppid=BASE + 1, argv=["bash"])
+    h.fp.add(BASE + 3, ppid=BASE + 2, argv=["python3", "-m", "vllm.entrypoints.openai.api_server"])
+    h.holder(BASE + 4, [0], ppid=BASE + 3, pgid=BASE + 3, argv=["python3", "engine_core.py"])
+    res, sig, dummy = h.run({"gpus": ["0"], "cmdline_pattern": "vllm", "release_timeout": 1})
+    assert sorted(x["pid"] for x in res["plan"]["signal"]) == [BASE + 3, BASE + 4]
+    assert h.fp.alive(BASE + 1) and h.fp.alive(BASE + 2)
+    assert not h.fp.alive(BASE + 3) and not h.fp.alive(BASE + 4)
+    assert res["ready"]
+
+
 def test_drain_one_gpu_leaves_other(tmp_path):
     h = Host(tmp_path)
     h.holder(BASE + 1, [0], mib=50000)
