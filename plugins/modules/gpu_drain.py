@@ -17,8 +17,8 @@ description:
   - Selection is by owner, restricted to holders of the target GPUs. O(units) are stopped through systemd first,
     then their cgroup's leftovers are signalled. O(pids) are signalled together with their descendants that hold a
     target GPU. O(cmdline_pattern) selects holders of a target GPU that match, and the matching owners above a
-    holder (its parent, grandparent and so on while each matches), with all their holding descendants: vLLM's API
-    server goes with its engine and workers. When none of these is given, or with O(all_holders=true), every
+    holder (its parent, grandparent and so on while each matches), with all their holding descendants, so that
+    vLLM's API server goes with its engine and workers. When none of these is given, or with O(all_holders=true), every
     unprotected compute holder of the target GPUs is drained.
   - Escalation is C(SIGTERM) to the holder's process group where that group holds only drain targets and their
     descendants (never a protected process, never this module's own group; else to each PID), a poll until the
