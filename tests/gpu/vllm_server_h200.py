@@ -97,6 +97,7 @@ def main():
     ap.add_argument("--work", default="/tmp/vllm-role")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    os.makedirs(a.work, exist_ok=True)
     model = os.path.join(a.work, "tiny")
     make_tiny_model(model)
     tag = "gpuflow-it-%s" % uuid.uuid4().hex[:10]
