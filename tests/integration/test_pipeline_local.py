@@ -112,7 +112,8 @@ def wait_for(proc, what, ready, timeout=900):
         if ready():
             return
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail("the pipeline %s before %s" % ("ended" if proc.poll() is not None else "timed out", what))
 
 

@@ -223,29 +223,29 @@ def test_train_total_seq_len_must_hold_a_sample(seed):
 
 
 # (d) ---------------------------------------------------------------------------------------------
-def test_empty_train_group(seed, tmp_path):
-    run = seed[0]
+def seed_inventory_with(tmp_path, edit):
+    """A copy of the seed inventory whose hosts.yml groups were changed by edit(children); its path."""
     inv = tmp_path / "inventory"
     inv.mkdir()
     with open(os.path.join(SEED, "hosts.yml")) as f:
         hosts = yaml.safe_load(f)
-    hosts["all"]["children"]["train"]["hosts"] = {}
+    edit(hosts["all"]["children"])
     (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
     shutil.copytree(os.path.join(SEED, "group_vars"), str(inv / "group_vars"))
-    expect_failure(run, {}, "preflight: the inventory group(s) train have no hosts", inventories=[str(inv)])
+    return str(inv)
+
+
+def test_empty_train_group(seed, tmp_path):
+    run = seed[0]
+    inv = seed_inventory_with(tmp_path, lambda groups: groups["train"].update(hosts={}))
+    expect_failure(run, {}, "preflight: the inventory group(s) train have no hosts", inventories=[inv])
 
 
 def test_two_extract_hosts_need_a_shared_work_dir(seed, tmp_path):
     run = seed[0]
-    inv = tmp_path / "inventory"
-    inv.mkdir()
-    with open(os.path.join(SEED, "hosts.yml")) as f:
-        hosts = yaml.safe_load(f)
-    hosts["all"]["children"]["extract"]["hosts"]["gpu-node-02"] = None
-    (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    shutil.copytree(os.path.join(SEED, "group_vars"), str(inv / "group_vars"))
-    expect_failure(run, {}, "preflight: 2 extract hosts without a shared work directory", inventories=[str(inv)])
-    rc, out = run({"gpuflow_work_dir_shared": True}, [str(inv)])
+    inv = seed_inventory_with(tmp_path, lambda groups: groups["extract"]["hosts"].update({"gpu-node-02": None}))
+    expect_failure(run, {}, "preflight: 2 extract hosts without a shared work directory", inventories=[inv])
+    rc, out = run({"gpuflow_work_dir_shared": True}, [inv])
     assert "extract hosts without a shared work directory" not in out
 
 
