@@ -118,7 +118,8 @@ def test_preflight_refusals_start_nothing(env):
 
 def test_graceful_stop_leaves_a_complete_interrupted_checkpoint(env):
     out = os.path.join(env["work"], "train", "stopped")
-    proc = train(env, out, background=True, eagle3_train_epochs=40)
+    # long enough that the stop always lands mid-run, however long the stop playbook takes to get there
+    proc = train(env, out, background=True, eagle3_train_epochs=400)
     try:
         wait_for(lambda: len(steps(out)) >= 8, 300, "8 training steps")
         output = train(env, out, eagle3_train_action="stop")[1]
