@@ -77,3 +77,9 @@ def test_declared_gpus_missing(tmp_path, base):
 def test_extract_profile_needs_layers(tmp_path, base):
     base["vllm_server_profile"] = "extract"
     expect_failure(tmp_path, base, "profile extract needs vllm_server_extract_layer_ids")
+
+
+def test_stop_timeout_not_above_shutdown_timeout(tmp_path, base):
+    base["vllm_server_shutdown_timeout"] = 60
+    base["vllm_server_stop_timeout"] = 60
+    expect_failure(tmp_path, base, "stop_timeout above shutdown_timeout (got 60")

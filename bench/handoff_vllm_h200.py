@@ -1,0 +1,411 @@
+# Copyright: gpuflow maintainers
+# Apache License 2.0 (see LICENSE)
+"""The hand-off of an idle CUDA vLLM server: the roles beside the seed's recipe (issue 11).
+
+Each round starts a fresh server on the same GPUs with the vllm_server role (process launcher: the GPU
+machine has no systemd), then hands the GPUs over one of two ways, alternating:
+
+  role   one ansible-playbook command, as the pipeline runs the hand-off: vllm_server state=stopped
+         (SIGTERM to the server's process group, wait until it is empty), then gpu_drain verifies the
+         GPUs free (NVML: no compute process, memory back at its baseline; cmdline_pattern is the run's
+         tag, so only this server could ever be signalled). Timed as the whole command.
+  seed   the seed's recipe (msg 2958), verbatim after its `systemctl stop`, which becomes what systemd
+         would do: SIGTERM to the server's group and a wait for its main process. It runs in a PID
+         namespace of its own (unshare --pid --fork --mount-proc), whose init starts the same argv and
+         environment the role wrote, so its `kill -9` of every python and its fuser sweep reach only
+         that namespace. Timed as the whole recipe: its user moves on when it returns.
+
+Two bystanders run beside every server, as on a shared host: an unrelated python whose command line
+says vllm, and an NVML management client (a monitoring agent). A hand-off that ends either is a
+collateral kill. A thread samples GPU memory every 50 ms, so each round also records when the memory
+was actually back, which the user of either method does not see.
+
+    PYTHONPATH=/tmp/site python3 bench/handoff_vllm_h200.py --tp 1 --rounds 3 --inflight \\
+        --out bench/results/handoff_vllm_h200.json
+    PYTHONPATH=/tmp/site python3 bench/handoff_vllm_h200.py --tp 2 --rounds 3 --merge \\
+        --out bench/results/handoff_vllm_h200.json
+
+--merge keeps the other TP sizes already in --out (one command may run 10 minutes on the GPU machine,
+and a TP size takes about that). --inflight adds, on the first TP size, the hand-off of a server with
+requests in flight under vllm_server_shutdown_timeout 0 (abort) and 30 (drain); with --rounds 0 it is
+all that runs. The carried vLLM must
+be in /tmp/vsite (tests/gpu/README.md); the role's venv sees it through a .pth file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+
+from gpulib import Holders  # noqa: E402
+from vllm_drain_h200 import commit, free_port, get_json, machine  # noqa: E402
+from vllm_server_h200 import playbook, server_tree, venv_with_vllm  # noqa: E402
+
+# msg 2958 of the seed, verbatim after `systemctl stop vllm-kimi-k25-int4 && ` (bench/seed_ns.py has it too).
+SEED_AFTER_STOP = (r'echo "Service stopped" && sleep 5 && ps aux | grep -E "python3|VLLM" | grep -v grep | '
+                   r'awk "{print \$2}" | xargs kill -9 2>/dev/null; sleep 3; kill -9 $(fuser /dev/nvidia* 2>/dev/null '
+                   r'| tr " " "\n" | sort -u | grep -v "^$") 2>/dev/null; sleep 2; echo "---GPU MEMORY---"; '
+                   r'nvidia-smi --query-gpu=index,memory.used,memory.free --format=csv,noheader')
+# `systemctl stop` of a unit with KillMode=control-group: SIGTERM to every process, wait for the main one.
+SYSTEMCTL_STOP = 'kill -TERM -- -{pgid} && while kill -0 {pid} 2>/dev/null; do sleep 0.1; done'
+FREE_SLACK_MIB = 256
+
+
+class MemoryWatch(threading.Thread):
+    """Samples the used memory of GPUs every 50 ms; free_at() is the first sample back at baseline."""
+
+    def __init__(self, gpus, baseline):
+        super().__init__(daemon=True)
+        import pynvml
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(g) for g in gpus]
+        self.baseline = baseline
+        self.samples = []
+        self.stop = threading.Event()
+
+    def used(self):
+        return [self.nvml.nvmlDeviceGetMemoryInfo(h).used // 2**20 for h in self.handles]
+
+    def run(self):
+        while not self.stop.is_set():
+            self.samples.append((time.monotonic(), self.used()))
+            time.sleep(0.05)
+
+    def free_at(self, t0):
+        for t, used in self.samples:
+            if t >= t0 and all(u <= b + FREE_SLACK_MIB for u, b in zip(used, self.baseline)):
+                return round(t - t0, 3)
+        return None
+
+
+def used_mib(gpus):
+    import pynvml
+    pynvml.nvmlInit()
+    return [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(g)).used // 2**20 for g in gpus]
+
+
+def load_env(path):
+    env = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line and not line.startswith("#") and "=" in line:
+                k, v = line.split("=", 1)
+                env[k] = json.loads(v) if v.startswith('"') else v  # the role writes JSON strings
+    return env
+
+
+def wait_ready(port, tag, proc=None, timeout=600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError("the server exited with %s before it was ready" % proc.returncode)
+        try:
+            if any(m["id"] == tag for m in get_json("http://127.0.0.1:%d/v1/models" % port, timeout=5)["data"]):
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server was not ready after %d s" % timeout)
+
+
+def seed_in_namespace(a):
+    """PID 1 of a fresh PID namespace: start the role's argv, the bystanders, replay the recipe."""
+    res = {"pid_in_namespace": os.getpid()}
+    if os.getpid() != 1:
+        res["error"] = "not PID 1 of a new PID namespace: refusing to run the recipe"
+        with open(a.out, "w") as f:
+            json.dump(res, f)
+        return 2
+    with open(a.argv_file) as f:
+        argv = json.load(f)
+    env = dict(os.environ, **load_env(a.env_file))
+    gpus = [int(g) for g in a.gpus.split(",")]
+    baseline = used_mib(gpus)
+    log = open(a.log, "w")
+    server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              cwd="/")
+    threading.Thread(target=server.wait, daemon=True).start()
+    holders = Holders("cuda", a.work)
+    try:
+        wait_ready(a.port, a.tag, server)
+        res["server_processes"] = sorted(server_tree_of(server.pid).values())
+        watched = {"unrelated_python": holders.idle("vllm-cpu-job"),
+                   "management_client": holders.hold(gpus[:1], management_client=True)["pid"]}
+        watch = MemoryWatch(gpus, baseline)
+        watch.start()
+        recipe = SYSTEMCTL_STOP.format(pgid=server.pid, pid=server.pid) + " && " + SEED_AFTER_STOP
+        t0 = time.monotonic()
+        p = subprocess.run(["bash", "-c", recipe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+        res["ready_s"] = round(time.monotonic() - t0, 3)
+        time.sleep(0.3)
+        watch.stop.set()
+        res["memory_free_s"] = watch.free_at(t0)
+        res["recipe_rc"] = p.returncode
+        res["recipe_output"] = p.stdout.decode(errors="replace")[-1500:]
+        holders.reap()
+        res["collateral"] = sorted(k for k, pid in watched.items() if not holders.alive(pid))
+        res["server_left"] = server.poll() is None
+        res["freed"] = all(u <= b + FREE_SLACK_MIB for u, b in zip(used_mib(gpus), baseline))
+    except Exception as e:  # the namespace init must always write its result
+        res["error"] = repr(e)
+    finally:
+        with open(a.out, "w") as f:
+            json.dump(res, f)
+        holders.cleanup()
+    return 0
+
+
+def server_tree_of(pid):
+    import psutil
+    root = psutil.Process(pid)
+    return {p.pid: p.name() for p in [root] + root.children(recursive=True)}
+
+
+def settings(a, tp, work, tag, port, **extra):
+    home = os.path.join(work, "home")
+    ev = {
+        "vllm_server_name": "bench", "vllm_server_served_model_name": tag, "vllm_server_model_path": a.model,
+        "vllm_server_install": False, "vllm_server_venv": a.venv, "vllm_server_package": "vllm",
+        "vllm_server_version": "0.26.0", "vllm_server_launcher": "api_server", "vllm_server_user": "",
+        "vllm_server_home": home, "vllm_server_config_dir": os.path.join(work, "etc"),
+        "vllm_server_gpus": list(range(tp)), "vllm_server_tensor_parallel_size": tp, "vllm_server_port": port,
+        "vllm_server_max_model_len": 1024, "vllm_server_reasoning_parser": "", "vllm_server_ready_timeout": 600,
+        # the default drain window (shutdown_timeout 30) stays; a hung stop costs 60 s here, not 300
+        "vllm_server_stop_timeout": 60,
+        "vllm_server_extra_args": ["--enforce-eager", "--gpu-memory-utilization", "0.3"],
+        "vllm_server_env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
+        "gpu_drain_gpus": [str(i) for i in range(tp)], "gpu_drain_backend": "nvml", "gpu_drain_mark_drained": False,
+        "gpu_drain_all_holders": False, "gpu_drain_cmdline_pattern": tag,
+        "gpu_drain_state_file": os.path.join(work, "gpu_state.json"),
+    }
+    ev.update(extra)
+    return ev, os.path.join(home, "run", "bench.pid")
+
+
+def role_round(a, tp, work, inflight=None):
+    """Start with the role, then the hand-off playbook; inflight = (shutdown_timeout, requests, max_tokens)."""
+    tag = "gpuflow-bench-%s" % uuid.uuid4().hex[:10]
+    port = free_port()
+    extra = {}
+    if inflight:
+        extra = {"vllm_server_shutdown_timeout": inflight[0], "vllm_server_max_model_len": 4096}
+    ev, pidfile = settings(a, tp, work, tag, port, **extra)
+    gpus = list(range(tp))
+    baseline = used_mib(gpus)
+    rc, wall, recap = playbook(work, ev, "start")
+    out = {"start_rc": rc, "start_s": wall}
+    if rc != 0:
+        out["start_recap"] = recap
+        return out
+    tree = server_tree(pidfile)
+    out["server_processes"] = sorted(tree.values())
+    holders = Holders("cuda", os.path.join(work, "holders"))
+    try:
+        watched = {"unrelated_python": holders.idle("vllm-cpu-job"),
+                   "management_client": holders.hold(gpus[:1], management_client=True)["pid"]}
+        clients = []
+        if inflight:
+            clients = start_requests(port, tag, inflight[1], inflight[2])
+            time.sleep(a.inflight_after)
+        watch = MemoryWatch(gpus, baseline)
+        watch.start()
+        t0 = time.monotonic()
+        rc, wall, recap = playbook(work, dict(ev, vllm_server_state="stopped", drain_after=True), "handoff")
+        out.update(handoff_rc=rc, ready_s=wall, recap=recap)
+        time.sleep(0.3)
+        watch.stop.set()
+        out["memory_free_s"] = watch.free_at(t0)
+        for c in clients:
+            c.join(timeout=120)
+        if clients:
+            out["requests"] = summarize_requests(clients, inflight[2])
+        holders.reap()
+        out["collateral"] = sorted(k for k, pid in watched.items() if not holders.alive(pid))
+        out["server_left"] = [p for p in tree if pid_alive(p)]
+        out["freed"] = all(u <= b + FREE_SLACK_MIB for u, b in zip(used_mib(gpus), baseline))
+    finally:
+        holders.cleanup()
+    out["argv_file"] = os.path.join(ev["vllm_server_config_dir"], "bench.argv.json")
+    out["env_file"] = os.path.join(ev["vllm_server_config_dir"], "bench.env")
+    out["tag"], out["port"] = tag, port
+    return out
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def seed_round(a, tp, work, role):
+    """The recipe on the same server (the argv and environment the role wrote), in its own PID namespace."""
+    out_file = os.path.join(work, "seed-%s.json" % uuid.uuid4().hex[:8])
+    argv = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, os.path.abspath(__file__), "seed-ns",
+            "--argv-file", role["argv_file"], "--env-file", role["env_file"], "--tag", role["tag"],
+            "--port", str(role["port"]), "--gpus", ",".join(str(g) for g in range(tp)), "--work", work,
+            "--log", os.path.join(work, "seed-server.log"), "--out", out_file]
+    t0 = time.monotonic()
+    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900, check=False)
+    try:
+        with open(out_file) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        res = {"error": "no result", "output": p.stdout.decode(errors="replace")[-2000:]}
+    res["namespace_rc"] = p.returncode
+    res["with_start_s"] = round(time.monotonic() - t0, 2)
+    return res
+
+
+class Request(threading.Thread):
+    """One streamed completion; records the tokens received and how it ended."""
+
+    def __init__(self, port, tag, max_tokens):
+        super().__init__(daemon=True)
+        self.url = "http://127.0.0.1:%d/v1/completions" % port
+        self.body = {"model": tag, "prompt": "the model", "max_tokens": max_tokens, "ignore_eos": True,
+                     "stream": True, "temperature": 0}
+        self.tokens, self.finish, self.error = 0, None, None
+
+    def run(self):
+        req = urllib.request.Request(self.url, data=json.dumps(self.body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    self.tokens += 1
+                    self.finish = choice.get("finish_reason") or self.finish
+        except Exception as e:  # a cut connection is a result here, not a failure of the script
+            self.error = repr(e)[:200]
+
+
+def start_requests(port, tag, n, max_tokens):
+    clients = [Request(port, tag, max_tokens) for dummy in range(n)]
+    for c in clients:
+        c.start()
+    return clients
+
+
+def summarize_requests(clients, max_tokens):
+    complete = [c for c in clients if c.finish == "length" and c.tokens >= max_tokens]
+    return {"sent": len(clients), "completed": len(complete), "cut_short": len(clients) - len(complete),
+            "tokens_received": sorted(c.tokens for c in clients), "finish_reasons": sorted({str(c.finish) for c in clients}),
+            "errors": sorted({c.error for c in clients if c.error})[:3]}
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def run_tp(a, tp):
+    work = os.path.join(a.work, "tp%d" % tp)
+    rounds = []
+    for n in range(a.rounds):
+        role = role_round(a, tp, work)
+        shown = ("start_s", "ready_s", "memory_free_s", "collateral", "freed")
+        print("tp%d round %d role" % (tp, n + 1), {k: role.get(k) for k in shown}, flush=True)
+        seed = seed_round(a, tp, work, role) if role.get("start_rc") == 0 else {"error": "the role's start failed"}
+        shown = ("ready_s", "memory_free_s", "collateral", "freed", "error")
+        print("tp%d round %d seed" % (tp, n + 1), {k: seed.get(k) for k in shown}, flush=True)
+        rounds.append({"role": role, "seed": seed})
+    roles = [r["role"] for r in rounds]
+    seeds = [r["seed"] for r in rounds]
+    ok = all(r.get("handoff_rc") == 0 and r.get("freed") and not r.get("server_left") for r in roles) and all(
+        s.get("freed") and "error" not in s for s in seeds)
+    return {"rounds": rounds, "ok": ok,
+            "role_ready_s": med(r.get("ready_s") for r in roles), "seed_ready_s": med(s.get("ready_s") for s in seeds),
+            "role_memory_free_s": med(r.get("memory_free_s") for r in roles),
+            "seed_memory_free_s": med(s.get("memory_free_s") for s in seeds),
+            "role_collateral_kills": sum(len(r.get("collateral", [])) for r in roles),
+            "seed_collateral_kills": sum(len(s.get("collateral", [])) for s in seeds),
+            "role_start_s": med(r.get("start_s") for r in roles)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    ns = sub.add_parser("seed-ns")
+    for opt in ("--argv-file", "--env-file", "--tag", "--gpus", "--work", "--log", "--out"):
+        ns.add_argument(opt, required=True)
+    ns.add_argument("--port", type=int, required=True)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--inflight", action="store_true")
+    ap.add_argument("--inflight-requests", type=int, default=16)
+    ap.add_argument("--inflight-tokens", type=int, default=3000)
+    ap.add_argument("--inflight-after", type=float, default=2.0)
+    ap.add_argument("--work", default="/tmp/handoff-bench")
+    ap.add_argument("--merge", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.cmd == "seed-ns":
+        return seed_in_namespace(a)
+    os.makedirs(a.work, exist_ok=True)
+    a.venv = venv_with_vllm(os.path.join(a.work, "venv"))
+    a.model = os.path.join(a.work, "tiny")
+    # the venv has transformers (from the carried vLLM); the controller's Python need not
+    subprocess.run([os.path.join(a.venv, "bin", "python"), os.path.join(REPO, "tools", "make_tiny_model.py"), a.model],
+                   check=True)
+    result = {"name": "handoff_vllm_h200", "tp": {}, "inflight": {}}
+    if a.merge and os.path.exists(a.out):
+        with open(a.out) as f:
+            result = json.load(f)
+    # ansible's own first run writes its bytecode caches; every measured command after it is warm
+    playbook(os.path.join(a.work, "warmup"), {"vllm_server_state": "stopped", "vllm_server_name": "warmup",
+                                              "vllm_server_home": os.path.join(a.work, "warmup"),
+                                              "vllm_server_config_dir": os.path.join(a.work, "warmup", "etc"),
+                                              "vllm_server_user": "", "vllm_server_install": False}, "warmup")
+    for tp in a.tp if a.rounds > 0 else []:
+        result["tp"][str(tp)] = run_tp(a, tp)
+    if a.inflight:
+        for timeout in (0, 30):
+            r = role_round(a, a.tp[0], os.path.join(a.work, "inflight"),
+                           inflight=(timeout, a.inflight_requests, a.inflight_tokens))
+            print("in flight, shutdown_timeout %d:" % timeout, {k: r.get(k) for k in ("ready_s", "memory_free_s",
+                                                                                      "requests")}, flush=True)
+            result["inflight"]["shutdown_timeout_%d" % timeout] = dict(r, tp=a.tp[0])
+    tps = sorted(result["tp"])
+    ratio = {tp: round(result["tp"][tp]["seed_ready_s"] / result["tp"][tp]["role_ready_s"], 2)
+             for tp in tps if result["tp"][tp]["role_ready_s"] and result["tp"][tp]["seed_ready_s"]}
+    result.update(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(), commit=commit())
+    result["summary"] = {
+        "role_ready_s": {tp: result["tp"][tp]["role_ready_s"] for tp in tps},
+        "seed_ready_s": {tp: result["tp"][tp]["seed_ready_s"] for tp in tps},
+        "ratio": ratio,
+        "role_collateral_kills": {tp: result["tp"][tp]["role_collateral_kills"] for tp in tps},
+        "seed_collateral_kills": {tp: result["tp"][tp]["seed_collateral_kills"] for tp in tps},
+        "role_memory_free_s": {tp: result["tp"][tp]["role_memory_free_s"] for tp in tps},
+        "seed_memory_free_s": {tp: result["tp"][tp]["seed_memory_free_s"] for tp in tps},
+        "rounds": a.rounds,
+    }
+    for key, r in result["inflight"].items():
+        result["summary"]["inflight_" + key] = {"ready_s": r.get("ready_s"), **{
+            k: (r.get("requests") or {}).get(k) for k in ("sent", "completed", "cut_short")}}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["summary"]))
+    return 0 if all(result["tp"][tp]["ok"] for tp in tps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
