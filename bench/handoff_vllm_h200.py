@@ -202,7 +202,7 @@ def role_round(a, tp, work, inflight=None):
     port = free_port()
     extra = {}
     if inflight:
-        extra = {"vllm_server_shutdown_timeout": inflight[0], "vllm_server_max_model_len": 4096}
+        extra = {"vllm_server_shutdown_timeout": inflight[0], "vllm_server_max_model_len": 2048}
     ev, pidfile = settings(a, tp, work, tag, port, **extra)
     gpus = list(range(tp))
     baseline = used_mib(gpus)
@@ -352,7 +352,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--inflight", action="store_true")
     ap.add_argument("--inflight-requests", type=int, default=16)
-    ap.add_argument("--inflight-tokens", type=int, default=3000)
+    ap.add_argument("--inflight-tokens", type=int, default=1900)
     ap.add_argument("--inflight-after", type=float, default=2.0)
     ap.add_argument("--work", default="/tmp/handoff-bench")
     ap.add_argument("--merge", action="store_true")

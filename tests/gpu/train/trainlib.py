@@ -51,6 +51,11 @@ def setup_venv(venv=SPECVENV):
             [python, "-c", "import speculators"], capture_output=True, check=False).returncode == 0:
         return
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+    # where this Python is itself a venv, --system-site-packages reaches only the base install: list its paths
+    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "gpuflow-system.pth"), "w") as f:
+        f.write("\n".join(p for p in sys.path if p and os.path.isdir(p)) + "\n")
     wheels = sorted(os.path.join(REPO, ".whl", n) for n in os.listdir(os.path.join(REPO, ".whl")) if n.endswith(".whl"))
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"] + wheels,
                    check=True)
