@@ -2,13 +2,17 @@
 # Apache License 2.0 (see LICENSE)
 """The hand-off of an idle CUDA vLLM server: the roles beside the seed's recipe (issue 11).
 
-Each round starts a fresh server on the same GPUs with the vllm_server role (process launcher: the GPU
-machine has no systemd), then hands the GPUs over one of two ways, alternating:
+Each hand-off is of a fresh server on the same GPUs, started by the vllm_server role (process launcher:
+the GPU machine has no systemd). A round hands the GPUs over three ways, one server each:
 
-  role   one ansible-playbook command, as the pipeline runs the hand-off: vllm_server state=stopped
-         (SIGTERM to the server's process group, wait until it is empty), then gpu_drain verifies the
-         GPUs free (NVML: no compute process, memory back at its baseline; cmdline_pattern is the run's
-         tag, so only this server could ever be signalled). Timed as the whole command.
+  role   (pipeline) one ansible-playbook command, as playbooks/pipeline.yml runs the hand-off:
+         vllm_server state=stopped (SIGTERM to the server's process group, wait until it is empty), then
+         gpu_drain verifies the GPUs free (NVML: no compute process, memory back at its baseline;
+         cmdline_pattern is the run's tag, so only this server could ever be signalled). Timed as the
+         whole command, and inside it from the hand-off's first task to the verdict (a pipeline run has
+         Ansible started by then). The log of each command (ANSIBLE_LOG_PATH) has every task's time.
+  drain  the same command without the server's own stop: gpu_drain selects the server by its tag and
+         ends it as a whole (one killpg), then verifies.
   seed   the seed's recipe (msg 2958), verbatim after its `systemctl stop`, which becomes what systemd
          would do: SIGTERM to the server's group and a wait for its main process. It runs in a PID
          namespace of its own (unshare --pid --fork --mount-proc), whose init starts the same argv and
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -49,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 
-from gpulib import Holders  # noqa: E402
+from gpulib import Holders, ansible_bin, ensure_collection_link  # noqa: E402
 from vllm_drain_h200 import commit, free_port, get_json, machine  # noqa: E402
 from vllm_server_h200 import playbook, server_tree, venv_with_vllm  # noqa: E402
 
@@ -61,6 +66,28 @@ SEED_AFTER_STOP = (r'echo "Service stopped" && sleep 5 && ps aux | grep -E "pyth
 # `systemctl stop` of a unit with KillMode=control-group: SIGTERM to every process, wait for the main one.
 SYSTEMCTL_STOP = 'kill -TERM -- -{pgid} && while kill -0 {pid} 2>/dev/null; do sleep 0.1; done'
 FREE_SLACK_MIB = 256
+# The hand-off as one ansible-playbook command. `pipeline` is what playbooks/pipeline.yml runs (the server's
+# own stop, then the drain verifies); `drain` leaves the stop to gpu_drain, which selects the server by its
+# tag and ends it as a whole. The debug task prints the time from the hand-off's first task to the verdict,
+# which is what a pipeline run spends there (it has started Ansible already).
+HANDOFF_PLAY = """- name: Hand the GPUs over
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Note the start of the hand-off
+      ansible.builtin.set_fact:
+        handoff_t0: "{{ now().timestamp() }}"
+    - name: Stop the server
+      ansible.builtin.include_role:
+        name: gpuflow.eagle3.vllm_server
+      when: handoff_method == 'pipeline'
+    - name: Drain and verify the GPUs
+      ansible.builtin.include_role:
+        name: gpuflow.eagle3.gpu_drain
+    - name: Say how long the hand-off took
+      ansible.builtin.debug:
+        msg: "handoff_in_playbook_s={{ now().timestamp() - handoff_t0 | float }}"
+"""
 
 
 class MemoryWatch(threading.Thread):
@@ -196,7 +223,27 @@ def settings(a, tp, work, tag, port, **extra):
     return ev, os.path.join(home, "run", "bench.pid")
 
 
-def role_round(a, tp, work, inflight=None):
+def handoff_playbook(work, ev, method):
+    """(rc, whole-command seconds, in-playbook seconds, recap) of HANDOFF_PLAY; its log keeps per-task times."""
+    with open(os.path.join(work, "handoff.yml"), "w") as f:
+        f.write(HANDOFF_PLAY)
+    with open(os.path.join(work, "handoff.json"), "w") as f:
+        json.dump(dict(ev, vllm_server_state="stopped", handoff_method=method), f)
+    log = os.path.join(work, "handoff-%s.log" % method)
+    env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_COLLECTIONS_PATH=ensure_collection_link(), ANSIBLE_LOG_PATH=log)
+    argv = ansible_bin("ansible-playbook") + ["-i", "localhost,", "-c", "local", os.path.join(work, "handoff.yml"),
+                                              "-e", "@" + os.path.join(work, "handoff.json"),
+                                              "-e", "ansible_python_interpreter=" + sys.executable]
+    t0 = time.monotonic()
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    wall = round(time.monotonic() - t0, 3)
+    inside = [float(x) for x in re.findall(r"handoff_in_playbook_s=([0-9.]+)", p.stdout)]
+    recap = [line for line in p.stdout.splitlines() if line.startswith("localhost")]
+    return p.returncode, wall, round(inside[0], 3) if inside else None, recap[-1] if recap else p.stdout[-2000:]
+
+
+def role_round(a, tp, work, inflight=None, method="pipeline"):
     """Start with the role, then the hand-off playbook; inflight = (shutdown_timeout, requests, max_tokens)."""
     tag = "gpuflow-bench-%s" % uuid.uuid4().hex[:10]
     port = free_port()
@@ -224,8 +271,8 @@ def role_round(a, tp, work, inflight=None):
         watch = MemoryWatch(gpus, baseline)
         watch.start()
         t0 = time.monotonic()
-        rc, wall, recap = playbook(work, dict(ev, vllm_server_state="stopped", drain_after=True), "handoff")
-        out.update(handoff_rc=rc, ready_s=wall, recap=recap)
+        rc, wall, inside, recap = handoff_playbook(work, ev, method)
+        out.update(method=method, handoff_rc=rc, ready_s=wall, in_playbook_s=inside, recap=recap)
         time.sleep(0.3)
         watch.stop.set()
         out["memory_free_s"] = watch.free_at(t0)
@@ -317,28 +364,61 @@ def med(xs):
     return round(statistics.median(xs), 3) if xs else None
 
 
-def run_tp(a, tp):
+def run_tp(a, tp, save):
+    """Rounds of three hand-offs, each of a fresh server: pipeline, the seed's recipe, drain. save(part) after each."""
     work = os.path.join(a.work, "tp%d" % tp)
     rounds = []
     for n in range(a.rounds):
-        role = role_round(a, tp, work)
-        shown = ("start_s", "ready_s", "memory_free_s", "collateral", "freed")
-        print("tp%d round %d role" % (tp, n + 1), {k: role.get(k) for k in shown}, flush=True)
+        role = role_round(a, tp, work, method="pipeline")
         seed = seed_round(a, tp, work, role) if role.get("start_rc") == 0 else {"error": "the role's start failed"}
-        shown = ("ready_s", "memory_free_s", "collateral", "freed", "error")
-        print("tp%d round %d seed" % (tp, n + 1), {k: seed.get(k) for k in shown}, flush=True)
-        rounds.append({"role": role, "seed": seed})
-    roles = [r["role"] for r in rounds]
-    seeds = [r["seed"] for r in rounds]
-    ok = all(r.get("handoff_rc") == 0 and r.get("freed") and not r.get("server_left") for r in roles) and all(
+        drain = role_round(a, tp, work, method="drain")
+        for name, r in (("pipeline", role), ("seed", seed), ("drain", drain)):
+            shown = ("start_s", "ready_s", "in_playbook_s", "memory_free_s", "collateral", "freed", "error")
+            print("tp%d round %d %s" % (tp, n + 1, name), {k: r.get(k) for k in shown if k in r}, flush=True)
+        rounds.append({"role": role, "seed": seed, "drain": drain})
+        save(tp_summary(rounds))
+    return tp_summary(rounds)
+
+
+def tp_summary(rounds):
+    roles, seeds, drains = ([r[k] for r in rounds] for k in ("role", "seed", "drain"))
+    ok = all(r.get("handoff_rc") == 0 and r.get("freed") and not r.get("server_left") for r in roles + drains) and all(
         s.get("freed") and "error" not in s for s in seeds)
     return {"rounds": rounds, "ok": ok,
             "role_ready_s": med(r.get("ready_s") for r in roles), "seed_ready_s": med(s.get("ready_s") for s in seeds),
+            "drain_ready_s": med(r.get("ready_s") for r in drains),
+            "role_in_playbook_s": med(r.get("in_playbook_s") for r in roles),
+            "drain_in_playbook_s": med(r.get("in_playbook_s") for r in drains),
             "role_memory_free_s": med(r.get("memory_free_s") for r in roles),
+            "drain_memory_free_s": med(r.get("memory_free_s") for r in drains),
             "seed_memory_free_s": med(s.get("memory_free_s") for s in seeds),
-            "role_collateral_kills": sum(len(r.get("collateral", [])) for r in roles),
+            "role_collateral_kills": sum(len(r.get("collateral", [])) for r in roles + drains),
             "seed_collateral_kills": sum(len(s.get("collateral", [])) for s in seeds),
-            "role_start_s": med(r.get("start_s") for r in roles)}
+            "role_start_s": med(r.get("start_s") for r in roles + drains)}
+
+
+def write(result, a):
+    """The summary from what has run so far, written to --out (after every round: a cut-off run keeps its data)."""
+    tps = sorted(result["tp"])
+    per = {tp: result["tp"][tp] for tp in tps}
+
+    def ratio(num, den):
+        return {tp: round(per[tp][num] / per[tp][den], 2) for tp in tps if per[tp][num] and per[tp][den]}
+    result.update(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(), commit=commit())
+    result["summary"] = dict(
+        {key: {tp: per[tp][key] for tp in tps} for key in (
+            "role_ready_s", "seed_ready_s", "drain_ready_s", "role_in_playbook_s", "drain_in_playbook_s",
+            "role_collateral_kills", "seed_collateral_kills", "role_memory_free_s", "drain_memory_free_s",
+            "seed_memory_free_s")},
+        ratio=ratio("seed_ready_s", "role_ready_s"), ratio_drain=ratio("seed_ready_s", "drain_ready_s"),
+        ratio_in_playbook=ratio("seed_ready_s", "role_in_playbook_s"),
+        ratio_drain_in_playbook=ratio("seed_ready_s", "drain_in_playbook_s"),
+        rounds={tp: len(per[tp]["rounds"]) for tp in tps})
+    for key, r in result["inflight"].items():
+        result["summary"]["inflight_" + key] = {"ready_s": r.get("ready_s"), "in_playbook_s": r.get("in_playbook_s"), **{
+            k: (r.get("requests") or {}).get(k) for k in ("sent", "completed", "cut_short")}}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main():
@@ -375,36 +455,24 @@ def main():
                                               "vllm_server_home": os.path.join(a.work, "warmup"),
                                               "vllm_server_config_dir": os.path.join(a.work, "warmup", "etc"),
                                               "vllm_server_user": "", "vllm_server_install": False}, "warmup")
+    def keeper(tp):
+        def keep(part):
+            result["tp"][str(tp)] = part
+            write(result, a)
+        return keep
+
     for tp in a.tp if a.rounds > 0 else []:
-        result["tp"][str(tp)] = run_tp(a, tp)
+        result["tp"][str(tp)] = run_tp(a, tp, keeper(tp))
     if a.inflight:
         for timeout in (0, 30):
             r = role_round(a, a.tp[0], os.path.join(a.work, "inflight"),
                            inflight=(timeout, a.inflight_requests, a.inflight_tokens))
-            print("in flight, shutdown_timeout %d:" % timeout, {k: r.get(k) for k in ("ready_s", "memory_free_s",
-                                                                                      "requests")}, flush=True)
+            shown = ("ready_s", "in_playbook_s", "memory_free_s", "requests")
+            print("in flight, shutdown_timeout %d:" % timeout, {k: r.get(k) for k in shown}, flush=True)
             result["inflight"]["shutdown_timeout_%d" % timeout] = dict(r, tp=a.tp[0])
-    tps = sorted(result["tp"])
-    ratio = {tp: round(result["tp"][tp]["seed_ready_s"] / result["tp"][tp]["role_ready_s"], 2)
-             for tp in tps if result["tp"][tp]["role_ready_s"] and result["tp"][tp]["seed_ready_s"]}
-    result.update(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(), commit=commit())
-    result["summary"] = {
-        "role_ready_s": {tp: result["tp"][tp]["role_ready_s"] for tp in tps},
-        "seed_ready_s": {tp: result["tp"][tp]["seed_ready_s"] for tp in tps},
-        "ratio": ratio,
-        "role_collateral_kills": {tp: result["tp"][tp]["role_collateral_kills"] for tp in tps},
-        "seed_collateral_kills": {tp: result["tp"][tp]["seed_collateral_kills"] for tp in tps},
-        "role_memory_free_s": {tp: result["tp"][tp]["role_memory_free_s"] for tp in tps},
-        "seed_memory_free_s": {tp: result["tp"][tp]["seed_memory_free_s"] for tp in tps},
-        "rounds": a.rounds,
-    }
-    for key, r in result["inflight"].items():
-        result["summary"]["inflight_" + key] = {"ready_s": r.get("ready_s"), **{
-            k: (r.get("requests") or {}).get(k) for k in ("sent", "completed", "cut_short")}}
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write(result, a)
     print(json.dumps(result["summary"]))
-    return 0 if all(result["tp"][tp]["ok"] for tp in tps) else 1
+    return 0 if all(result["tp"][tp]["ok"] for tp in result["tp"]) else 1
 
 
 if __name__ == "__main__":
