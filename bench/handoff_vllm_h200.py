@@ -455,6 +455,7 @@ def main():
                                               "vllm_server_home": os.path.join(a.work, "warmup"),
                                               "vllm_server_config_dir": os.path.join(a.work, "warmup", "etc"),
                                               "vllm_server_user": "", "vllm_server_install": False}, "warmup")
+
     def keeper(tp):
         def keep(part):
             result["tp"][str(tp)] = part
