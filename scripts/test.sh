@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run test phases in order, time each, print a summary; exit non-zero if any phase failed.
-# Phases: unit lint sanity package integration molecule.
+# Phases: unit mutation lint sanity package integration molecule.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT" || exit 1
@@ -9,6 +9,7 @@ export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_CONFIG="$ROOT/ansible.cfg" PYTHONUNB
 run_phase() {
     case "$1" in
         unit)        pytest -q tests/unit ;;
+        mutation)    python tests/mutation_check.py ;;
         lint)        ansible-lint --profile production ;;
         sanity)      scripts/sanity.sh ;;
         package)     scripts/package_check.sh ;;
@@ -19,7 +20,7 @@ run_phase() {
 
 for phase in "$@"; do
     case "$phase" in
-        unit|lint|sanity|package|integration|molecule) ;;
+        unit|mutation|lint|sanity|package|integration|molecule) ;;
         *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
     esac
 done

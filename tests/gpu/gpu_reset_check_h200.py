@@ -150,9 +150,9 @@ def main():
               for grp in plan["groups"]), str([grp["command"] for grp in plan["groups"]]))
     arch = [v.get("architecture") for v in forced["platform"]["gpus"].values()]
     check("platform probe: architecture read from NVML", all(x for x in arch), str(arch))
-    check("forced plan: Hopper resets individually (one GPU per group)",
-          all(len(grp["gpus"]) == 1 for grp in plan["groups"]) or any(x != "hopper" for x in arch),
-          str([grp["gpus"] for grp in plan["groups"]]))
+    check("forced plan: every GPU is Hopper (an H200) and resets individually (one GPU per group)",
+          bool(arch) and all(x == "hopper" for x in arch) and all(len(grp["gpus"]) == 1 for grp in plan["groups"]),
+          "architectures %s, groups %s" % (arch, [grp["gpus"] for grp in plan["groups"]]))
     check("check mode acted on nothing", forced["actions"] == [] and forced["daemons"] == [] and forced["persistence"] == [],
           "actions=%s" % forced["actions"])
 

@@ -59,11 +59,12 @@ class Host(object):
         self.holds[pid] = dict((g, mib) for g in gpus)
         return pid
 
-    def run(self, params, check_mode=False, sig=None, systemd=None):
+    def run(self, params, check_mode=False, sig=None, systemd=None, own=None):
         sig = sig or FakeSignaller(self.fp)
         warnings = []
         res = D.run_drain(self.be, params, check_mode=check_mode, proc_root=self.fp.root, clock=self.clock,
-                          sleep=self.clock.sleep, own=set(), signaller=sig, warn=warnings.append, systemd=systemd)
+                          sleep=self.clock.sleep, own=own or set(), signaller=sig, warn=warnings.append,
+                          systemd=systemd)
         return res, sig, warnings
 
 
@@ -93,6 +94,47 @@ def test_sigterm_honoured_group_signal(tmp_path):
     assert g["memory_before"]["used_mib"] == 102400 and g["memory_after"]["used_mib"] == 0
     assert g["time_to_exit_s"] is not None and g["time_to_release_s"] >= g["time_to_exit_s"]
     assert h.clock.t - 100.0 < 1.0  # no grace period spent
+
+
+def test_memory_that_lags_the_holders_exit_keeps_the_gpu_pending_until_it_is_back(tmp_path):
+    # on a real GPU the memory comes back after the process has left the driver's list
+    h = Host(tmp_path)
+    h.be.release_polls = 6
+    h.holder(BASE + 1, [0], mib=102400)
+    res, sig, dummy = h.run({"gpus": ["0"], "poll_interval": 0.5, "release_timeout": 30})
+    g = res["gpus"][0]
+    assert g["verdict"] == "ready" and g["memory_after"]["used_mib"] == 0
+    # the holder was gone from the list at once; the GPU was ready only once the memory was back
+    assert g["time_to_release_s"] - g["time_to_exit_s"] >= 2.5
+
+
+def test_memory_held_after_every_holder_is_gone_blocks_with_the_reset_hint(tmp_path):
+    h = Host(tmp_path)
+    h.be.release_polls = 10 ** 6    # the driver never gives it back
+    h.holder(BASE + 1, [0], mib=102400)
+    res, sig, dummy = h.run({"gpus": ["0"], "poll_interval": 0.5, "release_timeout": 3})
+    g = res["gpus"][0]
+    assert res["ready"] is False and g["verdict"] == "blocked"
+    assert [b["reason"] for b in g["blocked_by"]] == [
+        "memory used 102400 MiB > baseline 0 MiB + tolerance %d MiB (memory held with no holder: a reset may be needed)"
+        % D.DEFAULTS["memory_tolerance_mib"]]
+
+
+def test_named_holder_in_the_modules_own_tree_is_skipped_and_never_signalled(tmp_path):
+    h = Host(tmp_path)
+    me = h.holder(BASE + 1, [0])
+    res, sig, dummy = h.run({"gpus": ["0"], "pids": [me]}, own={me})
+    assert sig.calls == [] and h.fp.alive(me)
+    assert {"pid": me, "reason": "own process tree"}.items() <= res["plan"]["skipped"][0].items()
+
+
+def test_named_owner_in_the_modules_own_tree_is_skipped_and_never_signalled(tmp_path):
+    h = Host(tmp_path)
+    me = h.fp.add(BASE + 1, argv=["python3", "ansible-module"])
+    child = h.holder(BASE + 2, [0], ppid=me, pgid=me)
+    res, sig, dummy = h.run({"gpus": ["0"], "pids": [me]}, own={me, child})
+    assert sig.calls == [] and h.fp.alive(me) and h.fp.alive(child)
+    assert {"pid": me, "reason": "own process tree"} in res["plan"]["skipped"]
 
 
 def test_sigterm_ignored_escalates_after_grace(tmp_path):

@@ -54,9 +54,11 @@ class ResetBackend(FakeBackend):
         if self.outcome == "ok":
             for i in indices:
                 self.remapped[i] = self.health_after.get(i, False)
-        return {"rc": 0 if self.outcome == "ok" else 255, "stdout": "x", "stderr": "", "outcome": self.outcome,
-                "duration_s": 0.5, "argv": ["nvidia-smi", "--gpu-reset", "-i", ",".join(map(str, indices))],
-                "timed_out": self.outcome == "timeout"}
+        # a reset past its timeout: the child was killed (rc 124), which classify_smi_reset calls failed
+        timed_out = self.outcome == "timeout"
+        return {"rc": 0 if self.outcome == "ok" else (124 if timed_out else 255), "stdout": "x", "stderr": "",
+                "outcome": "failed" if timed_out else self.outcome, "duration_s": 0.5,
+                "argv": ["nvidia-smi", "--gpu-reset", "-i", ",".join(map(str, indices))], "timed_out": timed_out}
 
     def close(self):
         self.closed = True
@@ -344,17 +346,21 @@ def test_reset_runs_with_persistence_off_and_backend_closed_then_restores(env):
 
 
 @pytest.mark.parametrize("outcome,verdict", [("busy", "busy"), ("unsupported", "unsupported"), ("failed", "failed"),
-                                             ("timeout", "timeout")])
-def test_failed_reset_still_restores_persistence_and_daemons(env, outcome, verdict):
+                                             ("timeout", "failed")])
+def test_failed_reset_stops_daemons_before_and_restarts_them_and_persistence_after(env, outcome, verdict):
     fp, me, clock = env
-    b = ResetBackend(fp, n=1, outcome=outcome if outcome != "timeout" else "failed", remapped={0})
-    if outcome == "timeout":
-        b.outcome = "failed"
+    b = ResetBackend(fp, n=1, outcome=outcome, remapped={0})
     sd = FakeSystemd({"dcgm-exporter.service": "active"}, log=b.log)
     r = run(b, {"gpus": ["all"]}, env, systemd=sd)
+    steps = [x[:2] if x[0] in ("stop", "start") else x[:3] if x[0] == "pm" else x[:1] for x in b.log]
+    reset = steps.index(("reset",))
+    assert steps.index(("stop", "dcgm-exporter.service")) < reset < steps.index(("start", "dcgm-exporter.service"))
+    assert steps.index(("pm", 0, False)) < reset < steps.index(("pm", 0, True))
     assert b.pm[0] is True and sd.units["dcgm-exporter.service"] == "active"
-    assert r["gpus"][0]["verdict"] == ("failed" if outcome == "timeout" else verdict)
+    assert r["gpus"][0]["verdict"] == verdict
     assert not r["ok"] and r["changed"]
+    if outcome == "timeout":
+        assert r["gpus"][0]["output"].startswith("timed out after %s s." % R.DEFAULTS["reset_timeout"])
     if outcome == "unsupported":
         assert r["needs_power_cycle"]
 

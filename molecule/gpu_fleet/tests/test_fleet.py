@@ -75,17 +75,24 @@ def test_stray_sigterm_ignoring_job_was_killed(host, name):
     assert host.run("pgrep -f 'gpu_si[m].py hold .*--ignore-sigterm'").rc == 1
 
 
-def test_protected_daemon_restarted(host, name):
+def _restarted(host, unit):
+    """The unit runs now under a main PID other than the one it had before the fleet runs."""
+    before = host.file("/root/%s.pid" % unit).content_string.strip()
+    now = host.check_output("systemctl show -p MainPID --value %s" % unit)
+    return host.service(unit).is_running and before not in ("", "0") and now not in ("0", before)
+
+
+def test_protected_daemon_stopped_for_the_reset_and_started_again(host, name):
     if name != "fleet2-protected":
         pytest.skip("fleet2-protected only")
-    assert host.service("nvidia-dcgm.service").is_running
+    assert _restarted(host, "nvidia-dcgm.service")
     assert host.process.filter(comm="nv-hostengine")
 
 
-def test_daemon_restored_even_though_the_reset_failed(host, name):
+def test_daemon_stopped_for_the_failed_reset_and_started_again(host, name):
     if name != "fleet4-unhealthy":
         pytest.skip("fleet4-unhealthy only")
-    assert host.service("dcgm-exporter.service").is_running
+    assert _restarted(host, "dcgm-exporter.service")
     assert host.process.filter(comm="dcgm-exporter")
 
 

@@ -90,5 +90,6 @@ def test_synthetic_data(host):
             assert (name == "truncated.jsonl") == (row["metadata"]["finish_reason"] == "length")
             ids.append(row["primary_id"])
     assert len(ids) == len(set(ids)) == 64
-    # the client ran as a transient unit, which is gone (collected) now
+    # the client ran as a transient unit (its journal says so), which is gone (collected) now
+    assert host.check_output("journalctl -q --no-pager -u gpuflow-datagen-tiny.service | wc -l") != "0"
     assert not host.service("gpuflow-datagen-tiny").is_running

@@ -1,0 +1,117 @@
+"""The safety rules, each removed in turn: the unit tests must fail every time.
+
+A rule is a piece of code in plugins/module_utils that keeps a drain or a reset from doing harm. For
+each one this script replaces that code, in a copy of the checkout (the checkout itself is never
+touched), with a version that does not apply the rule, runs the unit tests there, and fails unless
+they failed. A test that still passes with a rule gone does not guard it.
+
+    .venv/bin/python tests/mutation_check.py            # all rules (about 2 minutes)
+    .venv/bin/python tests/mutation_check.py --list
+    .venv/bin/python tests/mutation_check.py own-tree-holder
+
+To add a rule: append a Mutation with the file, the exact text of the rule (it must occur once) and
+its replacement, then run this script to see the unit tests catch it.
+"""
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Mutation = collections.namedtuple("Mutation", "name file rule without")
+
+MUTATIONS = [
+    Mutation("memory-check", "drain.py",
+             '    if used > limit:\n        return False, "memory used',
+             '    if False:\n        return False, "memory used'),
+    Mutation("memory-held-blocker", "drain.py",
+             "        if i in pending and not blockers:\n",
+             "        if False:\n"),
+    Mutation("own-tree-holder", "drain.py",
+             '        if cls == "self":\n            skipped.append(_brief(h, "own process tree"))\n            continue\n',
+             ""),
+    Mutation("own-tree-named-pid", "drain.py",
+             '        if pid in own:\n            skipped.append({"pid": pid, "reason": "own process tree"})\n',
+             "        if False:\n            pass\n"),
+    Mutation("pid-identity", "pid_safety.py",
+             "    if expected_create_time is None or abs(ct - expected_create_time) > 0.011:\n"
+             '        return "PID %d changed identity',
+             "    if False:\n"
+             '        return "PID %d changed identity'),
+    Mutation("protected-process", "holders.py",
+             '    if pat:\n        return "protected", pat\n',
+             ""),
+    Mutation("restore-daemons-after-reset", "gpu_reset.py",
+             "            for u in reversed(stopped):\n",
+             "            for u in []:\n"),
+    Mutation("reset-timeout-reported", "gpu_reset.py",
+             '                        text = ("timed out after %s s. " % p["reset_timeout"]) + text\n',
+             "                        pass\n"),
+]
+
+
+def copy_of_checkout(dest):
+    """The files git would ship (tracked, and untracked but not ignored), copied under dest."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, names):
+        src = os.path.join(REPO, name)
+        if os.path.isfile(src) and not os.path.islink(src):
+            os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, name))
+    return dest
+
+
+def unit_tests(root):
+    """Exit status of the unit tests of the checkout at root (stopping at the first failure)."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit"],
+                          cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+
+
+def check(m, root):
+    path = os.path.join(root, "plugins", "module_utils", m.file)
+    with open(path) as f:
+        original = f.read()
+    if original.count(m.rule) != 1:
+        return "the rule's text occurs %d times in %s (update the mutation)" % (original.count(m.rule), m.file)
+    try:
+        with open(path, "w") as f:
+            f.write(original.replace(m.rule, m.without))
+        rc = unit_tests(root)
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+    return None if rc != 0 else "the unit tests pass without it"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="rules to check (default: all)")
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args()
+    if a.list:
+        print("\n".join("%-28s %s" % (m.name, m.file) for m in MUTATIONS))
+        return 0
+    chosen = [m for m in MUTATIONS if not a.names or m.name in a.names]
+    with tempfile.TemporaryDirectory(prefix="gpuflow-mutation-") as tmp:
+        root = copy_of_checkout(tmp)
+        if unit_tests(root) != 0:
+            print("the unit tests fail before any rule is removed")
+            return 1
+        failures = 0
+        for m in chosen:
+            t0 = time.monotonic()
+            why = check(m, root)
+            failures += why is not None
+            verdict = "caught" if why is None else "MISSED  " + why
+            print("%-28s %5.1fs  %s" % (m.name, time.monotonic() - t0, verdict), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
