@@ -20,7 +20,8 @@ plugins/module_utils/simulated_backend.py (format 1).
   gpu_sim.py status --state-dir D            # memory per GPU as the backend computes it
   gpu_sim.py set-gpu --state-dir D --gpu 0 [--health unhealthy] [--persistence on|off]
                     [--reset ok|unsupported|busy|unhealthy-after] [--set KEY=JSON] [--host KEY=JSON]
-                                             # faults and fields for gpu_reset (issue 4)
+                                             # faults and fields for gpu_reset (issue 4);
+                                             # --set stuck_used_mib=N: memory held with no process
 
 A holder opens every <D>/dev/nvidia<k> (as CUDA does at init), <D>/dev/nvidiactl and
 <D>/dev/nvidia-uvm and keeps them open (a management client opens only its --gpu nodes),
@@ -82,7 +83,7 @@ def cmd_init(a):
             "uuid": "GPU-%s" % uuid.uuid5(uuid.NAMESPACE_URL, "gpusim:%s:%d" % (d, i)),
             "name": a.name, "pci_bus_id": "00000000:%02X:00.0" % (0x10 + i),
             "memory_total_mib": a.total_mib, "memory_reserved_mib": a.reserved_mib,
-            "baseline_used_mib": a.baseline_mib,
+            "baseline_used_mib": a.baseline_mib, "stuck_used_mib": 0,
             "persistence_mode": True, "mig_mode": False,
             "retired_pages_pending": None, "remapped_rows_pending": False, "remapped_rows_failure": False,
             "health": "ok",
@@ -275,7 +276,7 @@ def cmd_status(a):
                 alive = False
             if alive or (rec.get("dead_since") and time.time() - rec["dead_since"] < state["release_delay_s"]):
                 held += int(rec["gpus"].get(str(i), 0))
-        out.append({"index": i, "uuid": g["uuid"], "used_mib": g["baseline_used_mib"] + held,
+        out.append({"index": i, "uuid": g["uuid"], "used_mib": g["baseline_used_mib"] + g.get("stuck_used_mib", 0) + held,
                     "total_mib": g["memory_total_mib"]})
     print(json.dumps(out, indent=1))
     return 0

@@ -216,8 +216,9 @@ def simulate_reset(backend, indices, proc_root="/proc"):
     Refused (``busy``) while persistence mode is on, while any process holds one of the
     GPUs' device nodes, or when the GPU's ``reset.busy`` fault is set; ``unsupported`` when
     ``reset.supported`` is false.  The whole group fails together, as one nvidia-smi command
-    does.  A successful reset clears health faults and pending retired pages / remapped rows
-    and applies pending ECC / MIG modes, unless ``reset.unhealthy_after_reset`` is set.
+    does.  A successful reset clears health faults, pending retired pages / remapped rows and
+    memory held with no process, and applies pending ECC / MIG modes, unless
+    ``reset.unhealthy_after_reset`` is set.
     """
     t = time.monotonic()
     states = dict((i, backend.read_gpu_state(i)) for i in indices)
@@ -249,7 +250,7 @@ def simulate_reset(backend, indices, proc_root="/proc"):
             fields = {"reset": r}
             if not r.get("unhealthy_after_reset"):
                 fields.update({"health": "ok", "retired_pages_pending": False if s.get("retired_pages_pending") is not None else None,
-                               "remapped_rows_pending": False})
+                               "remapped_rows_pending": False, "stuck_used_mib": 0})
                 if s.get("ecc_mode_pending") is not None:
                     fields["ecc_mode_current"] = s.get("ecc_mode_pending")
                 if s.get("mig_mode_pending") is not None:

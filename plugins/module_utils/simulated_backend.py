@@ -18,9 +18,11 @@ Behaviour, following FIELD_NOTES.md (measured on an H200):
 
 * a holder's memory counts while its process is alive (same PID *and* create time, not a
   zombie); an ignored SIGTERM therefore keeps the memory, and so do orphans;
-* once the process is gone, its memory is released ``release_delay_s`` (0.1 s) after the
-  first reader noticed the exit (readers poll every few ms, so this is within a poll
-  interval of the real exit); the record is then deleted;
+* once the process is gone, it leaves the driver's process list at once, but its memory is
+  released only ``release_delay_s`` (0.1 s) after the first reader noticed the exit, as on
+  a real GPU, where the memory lags the exit; the record is then deleted;
+* ``stuck_used_mib`` of a GPU is memory held with no process at all (as after a driver fault):
+  counted as used until a successful reset clears it;
 * a management client opens the device files but registers no memory and no context, so it
   is absent from :meth:`processes`, as bare NVML clients are on real hardware.
 
@@ -55,7 +57,7 @@ FORMAT = 1
 GPU_FIELDS = (
     "index", "uuid", "name", "minor", "pci_bus_id", "memory_total_mib", "memory_reserved_mib",
     "baseline_used_mib", "persistence_mode", "mig_mode", "retired_pages_pending",
-    "remapped_rows_pending", "remapped_rows_failure", "health", "reset",
+    "remapped_rows_pending", "remapped_rows_failure", "health", "reset", "stuck_used_mib",
 )
 CREATE_TIME_TOLERANCE = 0.05
 
@@ -147,7 +149,8 @@ class SimulatedBackend(GpuBackend):
                 rec = _read_json(path)
             except (OSError, ValueError):
                 continue  # being written or removed
-            if process_alive(rec.get("pid"), rec.get("create_time")):
+            rec["alive"] = process_alive(rec.get("pid"), rec.get("create_time"))
+            if rec["alive"]:
                 out.append(rec)
                 continue
             dead_since = rec.get("dead_since")
@@ -204,11 +207,11 @@ class SimulatedBackend(GpuBackend):
                 if mib is None:
                     continue
                 held += int(mib)
-                if r.get("context", True):
+                if r.get("context", True) and r["alive"]:
                     plist.append({"pid": int(r["pid"]), "used_mib": int(mib), "type": "compute"})
             total = int(s["memory_total_mib"])
             reserved = int(s.get("memory_reserved_mib", 0))
-            used = int(s.get("baseline_used_mib", 0)) + held
+            used = int(s.get("baseline_used_mib", 0)) + int(s.get("stuck_used_mib", 0)) + held
             mem[i] = {"total_mib": total, "used_mib": used, "reserved_mib": reserved,
                       "free_mib": max(total - reserved - used, 0), "api": "v2"}
             procs[i] = plist

@@ -157,8 +157,8 @@ def test_simulated_release_semantics(tmp_path):
         assert mem[0]["used_mib"] == 5003 and procs[0][0]["pid"] == p.pid
         p.kill()
         p.wait()
-        mem, procs = b.poll([0])           # exit noticed: memory still held for release_delay
-        assert mem[0]["used_mib"] == 5003
+        mem, procs = b.poll([0])           # exit noticed: off the list at once, memory held for release_delay
+        assert mem[0]["used_mib"] == 5003 and procs[0] == []
         clock[0] += 0.05
         assert b.poll([0])[0][0]["used_mib"] == 5003
         clock[0] += 0.06

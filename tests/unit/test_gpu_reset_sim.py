@@ -103,3 +103,15 @@ def test_unsupported_is_a_result(state):
     r = R.run_reset(lambda: SimulatedBackend(state), {"gpus": ["0"]})
     assert r["gpus"][0]["verdict"] == "unsupported" and r["needs_power_cycle"]
     assert SimulatedBackend(state).read_gpu_state(0)["persistence_mode"] is True
+
+
+def test_memory_held_with_no_process_blocks_the_drain_and_a_reset_frees_it(state):
+    from ansible_collections.gpuflow.eagle3.plugins.module_utils import drain as D
+    sim("set-gpu", "--state-dir", state, "--gpu", "0", "--set", "stuck_used_mib=2048")
+    d = D.run_drain(SimulatedBackend(state), {"gpus": ["0"], "release_timeout": 0.3, "poll_interval": 0.05})
+    g = d["gpus"][0]
+    assert not d["ready"] and g["verdict"] == "blocked" and g["memory_after"]["used_mib"] == 2048
+    assert g["blocked_by"][0]["reason"].endswith("(memory held with no holder: a reset may be needed)")
+    r = R.run_reset(lambda: SimulatedBackend(state), {"gpus": ["0"], "health_timeout": 0.3, "poll_interval": 0.05})
+    assert r["gpus"][0]["verdict"] == "healthy" and r["changed"]
+    assert SimulatedBackend(state).poll([0])[0][0]["used_mib"] == 0
