@@ -55,14 +55,10 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 
 from gpulib import Holders, ansible_bin, ensure_collection_link  # noqa: E402
-from vllm_drain_h200 import commit, free_port, get_json, machine  # noqa: E402
+from seed_ns import SEED_RECIPE  # noqa: E402  (msg 2958 of the seed, verbatim after its `systemctl stop`)
+from vllm_drain_h200 import commit, free_port, machine, wait_ready  # noqa: E402
 from vllm_server_h200 import playbook, server_tree, venv_with_vllm  # noqa: E402
 
-# msg 2958 of the seed, verbatim after `systemctl stop vllm-kimi-k25-int4 && ` (bench/seed_ns.py has it too).
-SEED_AFTER_STOP = (r'echo "Service stopped" && sleep 5 && ps aux | grep -E "python3|VLLM" | grep -v grep | '
-                   r'awk "{print \$2}" | xargs kill -9 2>/dev/null; sleep 3; kill -9 $(fuser /dev/nvidia* 2>/dev/null '
-                   r'| tr " " "\n" | sort -u | grep -v "^$") 2>/dev/null; sleep 2; echo "---GPU MEMORY---"; '
-                   r'nvidia-smi --query-gpu=index,memory.used,memory.free --format=csv,noheader')
 # `systemctl stop` of a unit with KillMode=control-group: SIGTERM to every process, wait for the main one.
 SYSTEMCTL_STOP = 'kill -TERM -- -{pgid} && while kill -0 {pid} 2>/dev/null; do sleep 0.1; done'
 FREE_SLACK_MIB = 256
@@ -135,20 +131,6 @@ def load_env(path):
     return env
 
 
-def wait_ready(port, tag, proc=None, timeout=600):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError("the server exited with %s before it was ready" % proc.returncode)
-        try:
-            if any(m["id"] == tag for m in get_json("http://127.0.0.1:%d/v1/models" % port, timeout=5)["data"]):
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server was not ready after %d s" % timeout)
-
-
 def seed_in_namespace(a):
     """PID 1 of a fresh PID namespace: start the role's argv, the bystanders, replay the recipe."""
     res = {"pid_in_namespace": os.getpid()}
@@ -168,13 +150,13 @@ def seed_in_namespace(a):
     threading.Thread(target=server.wait, daemon=True).start()
     holders = Holders("cuda", a.work)
     try:
-        wait_ready(a.port, a.tag, server)
+        wait_ready(server, a.port, a.tag)
         res["server_processes"] = sorted(server_tree_of(server.pid).values())
         watched = {"unrelated_python": holders.idle("vllm-cpu-job"),
                    "management_client": holders.hold(gpus[:1], management_client=True)["pid"]}
         watch = MemoryWatch(gpus, baseline)
         watch.start()
-        recipe = SYSTEMCTL_STOP.format(pgid=server.pid, pid=server.pid) + " && " + SEED_AFTER_STOP
+        recipe = SYSTEMCTL_STOP.format(pgid=server.pid, pid=server.pid) + " && " + SEED_RECIPE
         t0 = time.monotonic()
         p = subprocess.run(["bash", "-c", recipe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
         res["ready_s"] = round(time.monotonic() - t0, 3)
