@@ -50,14 +50,18 @@ import time
 import urllib.request
 import uuid
 
+import psutil
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+sys.path.insert(0, os.path.join(REPO, "roles", "vllm_server", "files"))
 
 from gpulib import Holders, ansible_bin, ensure_collection_link  # noqa: E402
+from vllm_proc import load_env  # noqa: E402  (the role's launcher reads its env file with it)
 from seed_ns import SEED_RECIPE  # noqa: E402  (msg 2958 of the seed, verbatim after its `systemctl stop`)
-from vllm_drain_h200 import commit, free_port, machine, wait_ready  # noqa: E402
-from vllm_server_h200 import playbook, server_tree, venv_with_vllm  # noqa: E402
+from vllm_drain_h200 import commit, free_port, machine, tree, wait_ready  # noqa: E402
+from vllm_server_h200 import playbook, server_tree, server_vars, venv_with_vllm  # noqa: E402
 
 # `systemctl stop` of a unit with KillMode=control-group: SIGTERM to every process, wait for the main one.
 SYSTEMCTL_STOP = 'kill -TERM -- -{pgid} && while kill -0 {pid} 2>/dev/null; do sleep 0.1; done'
@@ -109,26 +113,19 @@ class MemoryWatch(threading.Thread):
 
     def free_at(self, t0):
         for t, used in self.samples:
-            if t >= t0 and all(u <= b + FREE_SLACK_MIB for u, b in zip(used, self.baseline)):
+            if t >= t0 and at_baseline(used, self.baseline):
                 return round(t - t0, 3)
         return None
+
+
+def at_baseline(used, baseline):
+    return all(u <= b + FREE_SLACK_MIB for u, b in zip(used, baseline))
 
 
 def used_mib(gpus):
     import pynvml
     pynvml.nvmlInit()
     return [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(g)).used // 2**20 for g in gpus]
-
-
-def load_env(path):
-    env = {}
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line and not line.startswith("#") and "=" in line:
-                k, v = line.split("=", 1)
-                env[k] = json.loads(v) if v.startswith('"') else v  # the role writes JSON strings
-    return env
 
 
 def seed_in_namespace(a):
@@ -151,7 +148,7 @@ def seed_in_namespace(a):
     holders = Holders("cuda", a.work)
     try:
         wait_ready(server, a.port, a.tag)
-        res["server_processes"] = sorted(server_tree_of(server.pid).values())
+        res["server_processes"] = sorted(tree(server.pid).values())
         watched = {"unrelated_python": holders.idle("vllm-cpu-job"),
                    "management_client": holders.hold(gpus[:1], management_client=True)["pid"]}
         watch = MemoryWatch(gpus, baseline)
@@ -168,7 +165,7 @@ def seed_in_namespace(a):
         holders.reap()
         res["collateral"] = sorted(k for k, pid in watched.items() if not holders.alive(pid))
         res["server_left"] = server.poll() is None
-        res["freed"] = all(u <= b + FREE_SLACK_MIB for u, b in zip(used_mib(gpus), baseline))
+        res["freed"] = at_baseline(used_mib(gpus), baseline)
     except Exception as e:  # the namespace init must always write its result
         res["error"] = repr(e)
     finally:
@@ -176,33 +173,6 @@ def seed_in_namespace(a):
             json.dump(res, f)
         holders.cleanup()
     return 0
-
-
-def server_tree_of(pid):
-    import psutil
-    root = psutil.Process(pid)
-    return {p.pid: p.name() for p in [root] + root.children(recursive=True)}
-
-
-def settings(a, tp, work, tag, port, **extra):
-    home = os.path.join(work, "home")
-    ev = {
-        "vllm_server_name": "bench", "vllm_server_served_model_name": tag, "vllm_server_model_path": a.model,
-        "vllm_server_install": False, "vllm_server_venv": a.venv, "vllm_server_package": "vllm",
-        "vllm_server_version": "0.26.0", "vllm_server_launcher": "api_server", "vllm_server_user": "",
-        "vllm_server_home": home, "vllm_server_config_dir": os.path.join(work, "etc"),
-        "vllm_server_gpus": list(range(tp)), "vllm_server_tensor_parallel_size": tp, "vllm_server_port": port,
-        "vllm_server_max_model_len": 1024, "vllm_server_reasoning_parser": "", "vllm_server_ready_timeout": 600,
-        # the default drain window (shutdown_timeout 30) stays; a hung stop costs 60 s here, not 300
-        "vllm_server_stop_timeout": 60,
-        "vllm_server_extra_args": ["--enforce-eager", "--gpu-memory-utilization", "0.3"],
-        "vllm_server_env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
-        "gpu_drain_gpus": [str(i) for i in range(tp)], "gpu_drain_backend": "nvml", "gpu_drain_mark_drained": False,
-        "gpu_drain_all_holders": False, "gpu_drain_cmdline_pattern": tag,
-        "gpu_drain_state_file": os.path.join(work, "gpu_state.json"),
-    }
-    ev.update(extra)
-    return ev, os.path.join(home, "run", "bench.pid")
 
 
 def handoff_playbook(work, ev, method):
@@ -232,7 +202,8 @@ def role_round(a, tp, work, inflight=None, method="pipeline"):
     extra = {}
     if inflight:
         extra = {"vllm_server_shutdown_timeout": inflight[0], "vllm_server_max_model_len": 2048}
-    ev, pidfile = settings(a, tp, work, tag, port, **extra)
+    # the default drain window (shutdown_timeout 30) stays; a hung stop costs 60 s here, not 300
+    ev, pidfile = server_vars("bench", a.model, a.venv, work, tp, tag, port, vllm_server_stop_timeout=60, **extra)
     gpus = list(range(tp))
     baseline = used_mib(gpus)
     rc, wall, recap = playbook(work, ev, "start")
@@ -240,8 +211,8 @@ def role_round(a, tp, work, inflight=None, method="pipeline"):
     if rc != 0:
         out["start_recap"] = recap
         return out
-    tree = server_tree(pidfile)
-    out["server_processes"] = sorted(tree.values())
+    server = server_tree(pidfile)
+    out["server_processes"] = sorted(server.values())
     holders = Holders("cuda", os.path.join(work, "holders"))
     try:
         watched = {"unrelated_python": holders.idle("vllm-cpu-job"),
@@ -264,29 +235,21 @@ def role_round(a, tp, work, inflight=None, method="pipeline"):
             out["requests"] = summarize_requests(clients, inflight[2])
         holders.reap()
         out["collateral"] = sorted(k for k, pid in watched.items() if not holders.alive(pid))
-        out["server_left"] = [p for p in tree if pid_alive(p)]
-        out["freed"] = all(u <= b + FREE_SLACK_MIB for u, b in zip(used_mib(gpus), baseline))
+        out["server_left"] = [p for p in server if psutil.pid_exists(p)]
+        out["freed"] = at_baseline(used_mib(gpus), baseline)
     finally:
         holders.cleanup()
-    out["argv_file"] = os.path.join(ev["vllm_server_config_dir"], "bench.argv.json")
-    out["env_file"] = os.path.join(ev["vllm_server_config_dir"], "bench.env")
     out["tag"], out["port"] = tag, port
     return out
 
 
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def seed_round(a, tp, work, role):
-    """The recipe on the same server (the argv and environment the role wrote), in its own PID namespace."""
+    """The recipe on the same server (the argv and environment the role wrote under work/etc for the instance
+    "bench"), in its own PID namespace."""
     out_file = os.path.join(work, "seed-%s.json" % uuid.uuid4().hex[:8])
     argv = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, os.path.abspath(__file__), "seed-ns",
-            "--argv-file", role["argv_file"], "--env-file", role["env_file"], "--tag", role["tag"],
+            "--argv-file", os.path.join(work, "etc", "bench.argv.json"), "--env-file", os.path.join(work, "etc", "bench.env"),
+            "--tag", role["tag"],
             "--port", str(role["port"]), "--gpus", ",".join(str(g) for g in range(tp)), "--work", work,
             "--log", os.path.join(work, "seed-server.log"), "--out", out_file]
     t0 = time.monotonic()

@@ -195,7 +195,7 @@ def main():
     rc, wall, out, log = run_pipeline(a, inv)
     res = checks(a, work, gv, rc)
     previous = load(a.out) if os.path.exists(a.out) else {}
-    runs = previous.get("runs", []) + [{"rc": rc, "wall_s": wall, "log": log}]
+    runs = previous.get("runs", []) + [{"rc": rc, "wall_s": wall, "log": os.path.basename(log)}]
     result = {"name": "pipeline_h200" if a.device == "cuda" else "pipeline_cpu_rehearsal",
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "commit": commit(),
               "device": a.device, "runs": runs, "checks": res,

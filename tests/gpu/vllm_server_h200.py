@@ -54,6 +54,28 @@ def venv_with_vllm(path):
     return path
 
 
+def server_vars(name, model, venv, work, tp, tag, port, **extra):
+    """(extra vars, pidfile) of one server of these runs: the carried vLLM through the process launcher, the
+    tiny model on GPUs 0..tp-1, and a drain that may select only this run's server (its tag): anything else on
+    the GPU blocks, unsignalled. extra (full variable names) on top."""
+    home = os.path.join(work, "home")
+    ev = {
+        "vllm_server_name": name, "vllm_server_served_model_name": tag, "vllm_server_model_path": model,
+        "vllm_server_install": False, "vllm_server_venv": venv, "vllm_server_package": "vllm",
+        "vllm_server_version": "0.26.0", "vllm_server_launcher": "api_server", "vllm_server_user": "",
+        "vllm_server_home": home, "vllm_server_config_dir": os.path.join(work, "etc"),
+        "vllm_server_gpus": list(range(tp)), "vllm_server_tensor_parallel_size": tp, "vllm_server_port": port,
+        "vllm_server_max_model_len": 1024, "vllm_server_reasoning_parser": "", "vllm_server_ready_timeout": 600,
+        "vllm_server_extra_args": ["--enforce-eager", "--gpu-memory-utilization", "0.3"],
+        "vllm_server_env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
+        "gpu_drain_gpus": [str(i) for i in range(tp)], "gpu_drain_backend": "nvml", "gpu_drain_mark_drained": False,
+        "gpu_drain_all_holders": False, "gpu_drain_cmdline_pattern": tag,
+        "gpu_drain_state_file": os.path.join(work, "gpu_state.json"),
+    }
+    ev.update(extra)
+    return ev, os.path.join(home, "run", name + ".pid")
+
+
 def playbook(work, ev, name):
     """(rc, wall seconds, log tail) of one run of PLAY with extra vars ev."""
     os.makedirs(work, exist_ok=True)
@@ -102,23 +124,8 @@ def main():
     make_tiny_model(model)
     tag = "gpuflow-it-%s" % uuid.uuid4().hex[:10]
     port = free_port()
-    home = os.path.join(a.work, "home")
-    pidfile = os.path.join(home, "run", "h200.pid")
-    ev = {
-        "vllm_server_name": "h200", "vllm_server_served_model_name": tag, "vllm_server_model_path": model,
-        "vllm_server_install": False, "vllm_server_venv": venv_with_vllm(os.path.join(a.work, "venv")),
-        "vllm_server_package": "vllm", "vllm_server_version": "0.26.0", "vllm_server_launcher": "api_server",
-        "vllm_server_user": "", "vllm_server_home": home, "vllm_server_config_dir": os.path.join(a.work, "etc"),
-        "vllm_server_gpus": list(range(a.tp)), "vllm_server_tensor_parallel_size": a.tp,
-        "vllm_server_port": port, "vllm_server_max_model_len": 1024, "vllm_server_reasoning_parser": "",
-        "vllm_server_shutdown_timeout": 5, "vllm_server_ready_timeout": 600,
-        "vllm_server_extra_args": ["--enforce-eager", "--gpu-memory-utilization", "0.3"],
-        "vllm_server_env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
-        # the drain may select only this run's server (its tag): anything else on the GPU blocks, unsignalled
-        "gpu_drain_gpus": [str(i) for i in range(a.tp)], "gpu_drain_backend": "nvml", "gpu_drain_mark_drained": False,
-        "gpu_drain_all_holders": False, "gpu_drain_cmdline_pattern": tag,
-        "gpu_drain_state_file": os.path.join(a.work, "gpu_state.json"),
-    }
+    ev, pidfile = server_vars("h200", model, venv_with_vllm(os.path.join(a.work, "venv")), a.work, a.tp, tag, port,
+                              vllm_server_shutdown_timeout=5)
     steps = {}
     rc, wall, recap = playbook(a.work, ev, "start")
     tree1 = server_tree(pidfile)
