@@ -105,11 +105,14 @@ def main():
 
     report = {"name": "gpu_reset_check_h200", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "machine": platform.node(), "python": sys.version.split()[0], "checks": []}
-    try:
-        report["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
-                                          text=True, check=False).stdout.strip() or None
-    except OSError:
-        report["commit"] = None
+    # $GPUFLOW_COMMIT first: the device machine's copy may carry no .git, or one of an older HEAD
+    report["commit"] = os.environ.get("GPUFLOW_COMMIT") or None
+    if not report["commit"]:
+        try:
+            report["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                                              text=True, check=False).stdout.strip() or None
+        except OSError:
+            report["commit"] = None
     smi = subprocess.run([real or "nvidia-smi", "--query-gpu=index,name,driver_version,persistence_mode,mig.mode.current,"
                           "memory.used,memory.reserved", "--format=csv,noheader"], capture_output=True, text=True,
                          check=False)
