@@ -4,7 +4,8 @@ Runs with the speculators venv's python, around `torchrun ... gpuflow_train_laun
 (speculators.train with an event log and, where no accelerator exists, a CPU adapter):
 
   plan     the preflight that needs files: the extraction MANIFEST.json (complete, its
-           prepared dataset unchanged, one hidden-states file per sample), layer ids and
+           prepared dataset unchanged, one hidden-states file per sample; online mode: its
+           server answers and this host sees the server's connector path), layer ids and
            sequence length against what was extracted, the token frequency file when a
            draft vocabulary is set, existing checkpoints made from other inputs.
            Prints {"problems": [...], ...}; exit 0 either way.
@@ -15,7 +16,11 @@ Runs with the speculators venv's python, around `torchrun ... gpuflow_train_laun
            process). Follows metrics.jsonl into nodes/R/progress.json (step, epoch, loss,
            tokens/s, ETA). Before launching: ends stale workers of this output directory
            and sets aside a checkpoint whose save never finished, so speculators resumes
-           from the last complete one. --detach: in its own session.
+           from the last complete one. --detach: in its own session. Online mode
+           (--watch-dir, the connector path): removes files an interrupted run fetched and
+           never consumed, samples the path's high-water mark while training runs, counts
+           the requests and prompt tokens the server served (--metrics-url), and appends
+           one record per run to nodes/R/online.jsonl.
            SIGTERM/SIGINT: waits for a checkpoint save in progress to end, then sends
            SIGTERM to the trainer processes only (not torchrun's group, whose DataLoader
            workers would die mid-save), so speculators writes a complete interrupted/.
@@ -41,11 +46,13 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 SCHEMA = 1
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpuflow_train_launch.py")
 DRAFTER_FILES = ("config.json", "config.py", "model.safetensors")
+ONLINE_MARK = ".gpuflow-online.json"  # written by hidden_state_extract into the connector path
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -185,8 +192,11 @@ def load_check(python, path, verifier):
 def cmd_plan(a):
     problems = []
     m = read_json(os.path.join(a.hidden_states, "MANIFEST.json"))
-    if not m or m.get("stage") != "hidden_state_extract" or m.get("status") != "complete":
-        emit({"problems": ["no complete extraction manifest in %s (run hidden_state_extract first)" % a.hidden_states]})
+    online = (m or {}).get("mode") == "online"
+    if not m or m.get("stage") != "hidden_state_extract" or m.get("status") not in ("complete", "serving"):
+        why = ("its online server was released after an earlier training; run hidden_state_extract again (the "
+               "extract stage) to serve hidden states" if online else "run hidden_state_extract first")
+        emit({"problems": ["no complete extraction manifest in %s (%s)" % (a.hidden_states, why)]})
         return 0
     inputs = m["inputs"]
     prepared = inputs["prepared_dataset"]
@@ -195,11 +205,18 @@ def cmd_plan(a):
         problems.append("the prepared dataset %s changed since the hidden states were extracted "
                         "(rerun hidden_state_extract)" % prepared)
     hs_dir = inputs["hidden_states_dir"]
-    count = sum(1 for n in os.listdir(hs_dir) if n.startswith("hs_") and n.endswith(".safetensors")) \
-        if os.path.isdir(hs_dir) else 0
-    if count != m["samples"] or prep.get("samples") not in (None, m["samples"]):
-        problems.append("%s holds %d hidden-states files for %d samples in the manifest"
-                        % (hs_dir, count, m["samples"]))
+    if online:
+        problems += online_problems(m["online"], m["fingerprint"])
+        if a.verifier != m["online"]["served_model"]:
+            problems.append("online mode: the verifier must be %s, the name the server serves under (speculators asks "
+                            "the server for the verifier by name); leave eagle3_train_verifier_path empty"
+                            % m["online"]["served_model"])
+    else:
+        count = sum(1 for n in os.listdir(hs_dir) if n.startswith("hs_") and n.endswith(".safetensors")) \
+            if os.path.isdir(hs_dir) else 0
+        if count != m["samples"] or prep.get("samples") not in (None, m["samples"]):
+            problems.append("%s holds %d hidden-states files for %d samples in the manifest"
+                            % (hs_dir, count, m["samples"]))
     aux = inputs["auxiliary_layer_ids"]
     if a.layer_ids and a.layer_ids != aux:
         problems.append("layer ids %s differ from the extracted auxiliary layers %s; train with the extracted "
@@ -229,10 +246,32 @@ def cmd_plan(a):
         problems.append("the checkpoints in %s/checkpoints were trained from other inputs or another draft shape "
                         "(%s); resuming them would mix the two. Remove them or choose another "
                         "eagle3_train_output_dir" % (a.out, earlier.get("summary")))
-    emit({"problems": problems, "layer_ids": aux, "hidden_states_dir": hs_dir, "prepared": prepared,
+    emit({"problems": problems, "mode": "online" if online else "offline", "layer_ids": aux,
+          "hidden_states_dir": hs_dir, "prepared": prepared,
           "samples": m["samples"], "tokens": m["tokens"], "seq_length": seq_length, "max_seq_len": longest,
           "extract_fingerprint": m["fingerprint"], "token_freq": freq if os.path.exists(freq) else None})
     return 0
+
+
+def online_problems(online, fingerprint):
+    """This host must reach the server and see the directory it writes hidden states to."""
+    import urllib.request
+    problems = []
+    try:
+        with urllib.request.urlopen(online["endpoint"].rstrip("/") + "/models", timeout=10) as r:
+            served = [d["id"] for d in json.load(r)["data"]]
+        if online["served_model"] not in served:
+            problems.append("the server at %s serves %s, not the extraction server %s"
+                            % (online["endpoint"], served, online["served_model"]))
+    except (OSError, ValueError, KeyError) as e:
+        problems.append("the online extraction server at %s does not answer (%s): run hidden_state_extract "
+                        "(the extract stage) first, in online mode" % (online["endpoint"], e))
+    mark = read_json(os.path.join(online["connector_path"], ONLINE_MARK), {})
+    if mark.get("fingerprint") != fingerprint:
+        problems.append("%s is not the directory the server on %s writes hidden states to (its mark is %s): "
+                        "online training needs that path on a filesystem both hosts share"
+                        % (online["connector_path"], online["host"], "missing" if not mark else "another's"))
+    return problems
 
 
 # ----------------------------------------------------------------------------- dry run
@@ -270,6 +309,70 @@ def cmd_dryrun(a):
     return 0
 
 
+# ----------------------------------------------------------------------------- online mode
+def served_counters(url):
+    """Requests and prompt tokens the extraction server has served so far (its Prometheus /metrics)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    counts = {"requests": 0, "prompt_tokens": 0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = {"vllm:request_success_total": "requests", "vllm:prompt_tokens_total": "prompt_tokens"}.get(name)
+        if key:
+            counts[key] += int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+def hidden_state_files(path):
+    """(paths, bytes) of the connector's hidden-states files (and their locks) in path."""
+    paths, total = [], 0
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return paths, total
+    for e in entries:
+        if e.name.endswith((".safetensors", ".safetensors.lock")):
+            try:
+                total += e.stat().st_size
+                paths.append(e.path)
+            except FileNotFoundError:
+                pass
+    return paths, total
+
+
+class DiskWatch(threading.Thread):
+    """Samples the online hidden-states path while training runs: its high-water mark in bytes and files."""
+
+    def __init__(self, path, interval=0.05):
+        super().__init__(daemon=True)
+        self.path, self.interval = path, interval
+        self.peak_bytes = self.peak_files = self.samples = 0
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            paths, total = hidden_state_files(self.path)
+            self.peak_bytes = max(self.peak_bytes, total)
+            self.peak_files = max(self.peak_files, sum(1 for p in paths if p.endswith(".safetensors")))
+            self.samples += 1
+            self.done.wait(self.interval)
+
+
+def remove_hidden_state_files(path):
+    removed = 0
+    for p in hidden_state_files(path)[0]:
+        try:
+            os.remove(p)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 # ----------------------------------------------------------------------------- the job
 class Job:
     def __init__(self, a):
@@ -283,6 +386,8 @@ class Job:
         self.steps = collections.deque(maxlen=50)  # (time, global_step, tokens_per_s) of recent train records
         self.last = {}
         self.t0 = time.time()
+        self.watch = None
+        self.served_before = None
 
     def follow(self):
         events, self.offset = read_events(self.metrics, self.offset)
@@ -342,6 +447,20 @@ class Job:
                                             "time": time.time()}) + "\n")
         return {"stale_trainers_stopped": stale, "incomplete_checkpoints_set_aside": set_aside}
 
+    def online_record(self, state):
+        """What this run cost the extraction server and the disk, appended to online.jsonl (a resumed
+        training adds up its runs)."""
+        after = served_counters(self.a.metrics_url) if self.a.metrics_url else None
+        before = self.served_before
+        record = {"state": state, "time": time.time(), "peak_bytes": self.watch.peak_bytes,
+                  "peak_files": self.watch.peak_files, "disk_samples": self.watch.samples,
+                  "leftovers_removed": remove_hidden_state_files(self.a.watch_dir),
+                  "requests_served": after["requests"] - before["requests"] if before and after else None,
+                  "prompt_tokens_served": after["prompt_tokens"] - before["prompt_tokens"] if before and after else None}
+        with open(os.path.join(self.dir, "online.jsonl"), "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        return record
+
     def on_signal(self, signum, _frame):
         self.stop_requested = signum
 
@@ -366,6 +485,12 @@ class Job:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         prep = self.prepare()
+        if a.watch_dir:
+            # files an earlier, interrupted run fetched and never consumed
+            prep["orphan_hidden_states_removed"] = remove_hidden_state_files(a.watch_dir)
+            self.watch = DiskWatch(a.watch_dir)
+            self.watch.start()
+            self.served_before = served_counters(a.metrics_url) if a.metrics_url else None
         self.offset = os.path.getsize(self.metrics) if os.path.exists(self.metrics) else 0
         launcher = [LAUNCHER, "--events", self.metrics, "--node-rank", str(a.node_rank)]
         argv = [sys.executable, "-m", "torch.distributed.run"] + a.torchrun + launcher + a.train_args
@@ -395,6 +520,10 @@ class Job:
         interrupted = os.path.join(self.save_path, "interrupted", "model.safetensors")
         if os.path.exists(interrupted):
             extra["interrupted_checkpoint_complete"] = safetensors_complete(interrupted)
+        if self.watch:
+            self.watch.done.set()
+            self.watch.join()
+            extra["online"] = self.online_record(state)
         self.progress(state, extra)
         return 0 if state in ("trained", "stopped") else 1
 
@@ -492,9 +621,23 @@ def cmd_finish(a):
     tps = [e["profile"]["tokens_per_s"] for e in train if (e.get("profile") or {}).get("tokens_per_s")]
     # the last checkpoint knows how far training went; the drafter is the best one
     state = read_json(os.path.join(save_path, str(numbered[-1]), "training_state.json"), {}) if numbered else {}
+    inputs = json.loads(a.inputs)
+    runs = read_events(os.path.join(node_dir(a.out, 0), "online.jsonl"))[0]
+    if inputs.get("mode") == "online":
+        # one record per run of the job: a resumed training adds up what every run cost
+        hidden_states = {
+            "mode": "online", "peak_bytes": max([r["peak_bytes"] for r in runs] or [0]),
+            "peak_files": max([r["peak_files"] for r in runs] or [0]), "runs": len(runs),
+            "requests_served": sum(r["requests_served"] or 0 for r in runs),
+            "prompt_tokens_served": sum(r["prompt_tokens_served"] or 0 for r in runs),
+            "leftovers_removed": sum(r["leftovers_removed"] for r in runs),
+        }
+    else:
+        hidden_states = {"mode": "offline", "peak_bytes": inputs.get("hidden_states_bytes")}
     manifest = {
         "stage": "eagle3_train", "status": "complete", "schema": SCHEMA, "fingerprint": a.fingerprint,
-        "inputs": json.loads(a.inputs), "drafter": drafter, "checkpoint": chosen,
+        "hidden_states": hidden_states,
+        "inputs": inputs, "drafter": drafter, "checkpoint": chosen,
         "steps": state.get("global_step") or ((train[-1]["global_step"] + 1) if train else 0),
         "final_loss": train[-1]["train"].get("loss") if train else None,
         "validation": val[-1]["val"] if val else {}, "epochs_completed": state.get("epoch", 0) + 1,
@@ -531,6 +674,10 @@ def cmd_stage(a):
     changed = read_json(run_file, {}).get("identity") != a.identity
     if changed:
         atomic_json(run_file, {"identity": a.identity, "summary": json.loads(a.summary)})
+        # what online runs of another training cost is not this one's
+        for rank_dir in (os.listdir(os.path.join(a.out, "nodes")) if os.path.isdir(os.path.join(a.out, "nodes")) else []):
+            if os.path.exists(os.path.join(a.out, "nodes", rank_dir, "online.jsonl")):
+                os.remove(os.path.join(a.out, "nodes", rank_dir, "online.jsonl"))
     data = os.path.join(a.out, "data")
     source = {"prepared": os.path.abspath(a.prepared), "extract_fingerprint": a.extract_fingerprint}
     if read_json(os.path.join(data, "SOURCE.json")) != source:
@@ -574,6 +721,9 @@ def main(argv=None):
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--torchrun", type=json.loads, required=True, help="JSON list of torchrun's arguments")
     p.add_argument("--stop-timeout", type=float, default=300)
+    p.add_argument("--watch-dir", default="", help="online mode: the connector path, sampled for its high-water "
+                   "mark and cleared of unconsumed files before and after the run")
+    p.add_argument("--metrics-url", default="", help="online mode: the extraction server's /metrics")
     p.add_argument("--progress-interval", type=float, default=2.0)
     p.add_argument("--detach", action="store_true")
 

@@ -9,7 +9,9 @@ Runs with the speculators venv's python, around speculators 0.9.0's own commands
             against the server's max model length, this rank's shard (speculators' own
             split), the disk budget (tokens x layers x hidden x bytes per value plus a
             margin) against the output filesystem's free space, staging and output on one
-            filesystem. Prints {"problems": [...]} and the figures; exit 0 either way.
+            filesystem; the mode (--mode auto: offline when it fits, else online) and
+            what online costs instead (no bytes stored, epochs x samples target passes).
+            Prints {"problems": [...]} and the figures; exit 0 either way.
   smoke     one sample through the extraction server: layer count, sequence length,
             dtype and token ids of the file vLLM writes; the file is removed after.
   run       `speculators generate-offline-data` for this rank, rerun until every sample
@@ -23,6 +25,10 @@ Runs with the speculators venv's python, around speculators 0.9.0's own commands
   finish    writes MANIFEST.json atomically from the shard records of every host.
   check     is this host's part complete? MANIFEST.json fingerprint and this rank's files
             present with the sizes recorded (a rerun after completion does nothing).
+  serve-manifest  online mode: MANIFEST.json names the live server and the connector path
+            training fetches hidden states through, instead of files.
+  release   online mode, the server stopped: removes hidden-states files fetched and never
+            consumed, marks the manifest released.
 
 Files in the output directory: hs/hs_{i}.safetensors, prepared/, staging/ (vLLM's),
 progress.json, extract.log, extract.pid, shards/, MANIFEST.json.
@@ -43,6 +49,8 @@ DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
 # safetensors header (JSON of two or three tensors) plus the 8-byte length, per file
 HEADER_ALLOWANCE = 256
+# online mode: in the connector path, so that a training host proves it sees the directory the server writes
+ONLINE_MARK = ".gpuflow-online.json"
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -287,22 +295,44 @@ def cmd_plan(a):
     with_margin = int(needed * (1 + a.margin)) + a.reserve_bytes
     st = os.statvfs(existing_dir(a.hs_dir))
     free = st.f_bavail * st.f_frsize
-    if with_margin > free:
+    # online: no hidden states are kept, but the target runs again for every sample of every epoch
+    online_cost = {"stored_bytes": 0, "target_passes": a.epochs * len(lengths), "epochs": a.epochs,
+                   "samples": len(lengths), "tokens": a.epochs * int(sum(lengths))}
+    online_note = ("online instead (gpuflow_hidden_states: online) stores 0 bytes of hidden states and runs the "
+                   "target %d times (%d epochs x %d samples, %d tokens)"
+                   % (online_cost["target_passes"], a.epochs, len(lengths), online_cost["tokens"]))
+    fits = with_margin <= free
+    budget_problem = None
+    if not fits:
         fp8_bytes = sum(shard_lengths) * storage_bytes_per_token("fp8", cfg["dtype"], len(capture), cfg["hidden_size"])
-        problems.append(
+        budget_problem = (
             "disk budget: this shard needs %s (%d samples, %d tokens x %d layers x hidden %d x %s per value = "
             "%s, %s already written, margin %d%%, reserve %s) but %s has %s free. Ways out: "
             "hidden_state_extract_storage: fp8 (about %s), fewer samples (hidden_state_extract_max_samples), "
-            "another hidden_state_extract_output_dir on a larger filesystem."
+            "another hidden_state_extract_output_dir on a larger filesystem, or %s."
             % (human(with_margin), len(shard_lengths), sum(shard_lengths), len(capture), cfg["hidden_size"],
                "1 byte" if a.storage == "fp8" else "%d bytes" % DTYPE_BYTES[cfg["dtype"]], human(predicted),
                human(existing), int(a.margin * 100), human(a.reserve_bytes), a.hs_dir, human(free),
-               human(fp8_bytes) if a.storage != "fp8" else "already fp8"))
-    if os.stat(existing_dir(a.staging)).st_dev != os.stat(existing_dir(a.hs_dir)).st_dev:
+               human(fp8_bytes) if a.storage != "fp8" else "already fp8", online_note))
+    if a.mode == "auto":
+        mode = "offline" if fits else "online"
+        mode_reason = ("auto: offline fits (%s needed, %s free)" % (human(with_margin), human(free)) if fits else
+                       "auto chose online: offline needs %s but %s has %s free; %s"
+                       % (human(with_margin), a.hs_dir, human(free), online_note))
+    else:
+        mode = a.mode
+        mode_reason = "%s, as asked" % mode
+    if mode == "offline" and budget_problem:
+        problems.append(budget_problem)
+    if mode == "online" and a.world_size != 1:
+        problems.append("online mode serves hidden states from one server; this shard is rank %d of %d. Put one "
+                        "host in the extract group (or hidden_state_extract_world_size: 1)" % (a.rank, a.world_size))
+    if mode == "offline" and os.stat(existing_dir(a.staging)).st_dev != os.stat(existing_dir(a.hs_dir)).st_dev:
         problems.append("the connector's staging path %s and the output %s are on different filesystems: "
                         "files would be copied, not renamed, and an interruption could leave a truncated file; "
                         "put the staging path on the output's filesystem" % (a.staging, a.hs_dir))
-    emit({"problems": problems, "model": cfg, "capture_layer_ids": capture,
+    emit({"problems": problems, "mode": mode, "mode_reason": mode_reason, "online_cost": online_cost,
+          "model": cfg, "capture_layer_ids": capture,
           "samples": len(lengths), "tokens": int(sum(lengths)), "max_seq_len": int(max(lengths or [0])),
           "shard": {"rank": a.rank, "world_size": a.world_size, "start": start, "end": end,
                     "samples": len(shard_lengths), "tokens": int(sum(shard_lengths))},
@@ -605,8 +635,8 @@ def cmd_validate(a):
 def cmd_finish(a):
     shards = json.loads(a.shards)
     manifest = {
-        "stage": "hidden_state_extract", "status": "complete", "schema": SCHEMA,
-        "fingerprint": a.fingerprint, "inputs": json.loads(a.inputs),
+        "stage": "hidden_state_extract", "status": "complete", "mode": "offline", "mode_reason": a.mode_reason,
+        "schema": SCHEMA, "fingerprint": a.fingerprint, "inputs": json.loads(a.inputs),
         "samples": sum(s["samples"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
         "bytes": sum(s["bytes"] for s in shards), "layer_ids": json.loads(a.layer_ids), "dtype": a.dtype,
         "shards": sorted(shards, key=lambda s: s["rank"]),
@@ -616,6 +646,68 @@ def cmd_finish(a):
     }
     atomic_json(os.path.join(a.out, "MANIFEST.json"), manifest)
     emit({"changed": True, "samples": manifest["samples"]})
+    return 0
+
+
+def without_written(m):
+    return {k: v for k, v in (m or {}).items() if k != "written"}
+
+
+def cmd_serve_manifest(a):
+    """Online mode: the manifest says where training fetches hidden states (the live server, the connector
+    path both sides see) instead of listing files. Rewritten only when something in it changed."""
+    plan = json.loads(a.plan)
+    manifest = {
+        "stage": "hidden_state_extract", "status": "serving", "mode": "online", "schema": SCHEMA,
+        "fingerprint": a.fingerprint, "inputs": json.loads(a.inputs),
+        "samples": plan["samples"], "tokens": plan["tokens"], "bytes": 0,
+        "layer_ids": plan["capture_layer_ids"], "dtype": plan["budget"]["dtype"],
+        "mode_reason": plan["mode_reason"], "online_cost": plan["online_cost"],
+        "online": {"endpoint": a.endpoint, "served_model": a.served_model, "connector_path": a.connector_path,
+                   "host": a.host},
+        "checks": ["smoke test of one sample"],
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path = os.path.join(a.out, "MANIFEST.json")
+    changed = without_written(read_json(path)) != without_written(manifest)
+    mark = os.path.join(a.connector_path, ONLINE_MARK)
+    if read_json(mark) != {"fingerprint": a.fingerprint, "host": a.host}:
+        os.makedirs(a.connector_path, exist_ok=True)
+        atomic_json(mark, {"fingerprint": a.fingerprint, "host": a.host})
+        changed = True
+    if changed:
+        atomic_json(path, manifest)
+    emit({"changed": changed, "samples": manifest["samples"]})
+    return 0
+
+
+def hidden_state_leftovers(path):
+    """Connector files in path: hidden states written for a request and never consumed, with their locks."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(path, n) for n in names if n.endswith((".safetensors", ".safetensors.lock"))]
+
+
+def cmd_release(a):
+    """Online mode, once the server is stopped: no fetched-but-unconsumed file is left behind, and the
+    manifest says the server is gone (a later training needs the extract stage again)."""
+    removed = 0
+    for path in hidden_state_leftovers(a.connector_path):
+        try:
+            os.remove(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    manifest_path = os.path.join(a.out, "MANIFEST.json")
+    m = read_json(manifest_path)
+    changed = removed > 0
+    if m and m.get("mode") == "online" and m.get("status") == "serving":
+        m.update(status="released", released=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        atomic_json(manifest_path, m)
+        changed = True
+    emit({"changed": changed, "leftovers_removed": removed})
     return 0
 
 
@@ -669,6 +761,8 @@ def main(argv=None):
     p.add_argument("--storage", choices=["model", "fp8"], default="model")
     p.add_argument("--margin", type=float, default=0.05)
     p.add_argument("--reserve-bytes", type=int, default=0)
+    p.add_argument("--mode", choices=["offline", "online", "auto"], default="offline")
+    p.add_argument("--epochs", type=int, default=1, help="training epochs: what online mode costs")
     shard_args(p)
 
     p = sub.add_parser("smoke")
@@ -720,6 +814,21 @@ def main(argv=None):
     p.add_argument("--shards", required=True, help="JSON list of the shard records of every host")
     p.add_argument("--layer-ids", required=True, help="JSON list")
     p.add_argument("--dtype", required=True)
+    p.add_argument("--mode-reason", default="offline, as asked")
+
+    p = sub.add_parser("serve-manifest")
+    p.add_argument("--out", required=True)
+    p.add_argument("--fingerprint", required=True)
+    p.add_argument("--inputs", required=True, help="JSON object")
+    p.add_argument("--plan", required=True, help="the plan's JSON")
+    p.add_argument("--endpoint", required=True, help="the server's URL as training hosts reach it")
+    p.add_argument("--served-model", required=True)
+    p.add_argument("--connector-path", required=True)
+    p.add_argument("--host", required=True)
+
+    p = sub.add_parser("release")
+    p.add_argument("--out", required=True)
+    p.add_argument("--connector-path", required=True)
 
     p = sub.add_parser("check")
     p.add_argument("--out", required=True)
@@ -732,7 +841,8 @@ def main(argv=None):
     if getattr(a, "world_size", 1) < 1 or not 0 <= getattr(a, "rank", 0) < getattr(a, "world_size", 1):
         ap.error("--rank must be within 0..world_size-1")
     return {"prepare": cmd_prepare, "plan": cmd_plan, "smoke": cmd_smoke, "run": cmd_run, "status": cmd_status,
-            "wait": cmd_wait, "validate": cmd_validate, "finish": cmd_finish, "check": cmd_check}[a.cmd](a)
+            "wait": cmd_wait, "validate": cmd_validate, "finish": cmd_finish, "check": cmd_check,
+            "serve-manifest": cmd_serve_manifest, "release": cmd_release}[a.cmd](a)
 
 
 if __name__ == "__main__":

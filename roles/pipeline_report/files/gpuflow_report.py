@@ -362,13 +362,31 @@ def section_disk(data, _base, figures):
         parts.append(paragraph("Over budget by %s." % human_bytes(used - budget), "bad"))
     if any((used, budget, free)):
         parts.append(disk_figure(disk, figures))
-    parts.append(pairs([
+    extract = (data.get("manifests") or {}).get("hidden_state_extract") or {}
+    trained = ((data.get("manifests") or {}).get("eagle3_train") or {}).get("hidden_states") or {}
+    mode = extract.get("mode", "offline")
+    rows = [
+        ("hidden states", "%s (%s)" % (mode, extract["mode_reason"]) if extract.get("mode_reason") else mode),
         ("path", disk.get("path", MISSING)),
         ("used", human_bytes(used)),
         ("budget", human_bytes(budget) if budget else "none"),
         ("used share of the budget", percent(used / budget) if budget and used is not None else MISSING),
         ("free on the filesystem", human_bytes(free)),
-    ]))
+        ("high-water mark of the hidden-states path during training",
+         "%s%s" % (human_bytes(trained.get("peak_bytes")),
+                   " (%d file(s) at once)" % trained["peak_files"] if trained.get("peak_files") is not None else "")
+         if trained.get("peak_bytes") is not None else MISSING),
+    ]
+    if mode == "online":
+        cost = extract.get("online_cost") or {}
+        rows += [
+            ("extra target compute: requests served to training",
+             "%s (planned %s: %s epochs x %s samples)" % (number(trained.get("requests_served")), number(cost.get("target_passes")),
+                                                          number(cost.get("epochs")), number(cost.get("samples")))),
+            ("extra target compute: prompt tokens served to training", number(trained.get("prompt_tokens_served"))),
+            ("unconsumed hidden-states files removed", number(trained.get("leftovers_removed"))),
+        ]
+    parts.append(pairs(rows))
     return "".join(parts)
 
 
