@@ -90,11 +90,16 @@ def test_disk_budget_refused_with_the_numbers(env):
     st = os.statvfs(env["work"])
     free = st.f_bavail * st.f_frsize
     # keep all but 1 MiB in reserve: 48 samples of about 2 KiB per token need about 8 MiB
-    rc, out = run(env, check=False, hidden_state_extract_reserve_bytes=free - (1 << 20))[:2]
+    rc, out = run(env, check=False, hidden_state_extract_reserve_bytes=free - (1 << 20),
+                  hidden_state_extract_train_epochs=5)[:2]
     assert rc != 0
+    out = " ".join(out.split())
     assert "disk budget: this shard needs" in out and "%d samples" % SAMPLES in out, out[-3000:]
     assert "x 4 layers x hidden 256 x 2 bytes per value" in out
     assert "hidden_state_extract_storage: fp8" in out and "fewer samples" in out
+    # what online mode would cost instead: nothing stored, the target run again in every epoch
+    assert "or online instead (gpuflow_hidden_states: online) stores 0 bytes of hidden states and runs the target " \
+        "%d times (5 epochs x %d samples" % (5 * SAMPLES, SAMPLES) in out
     assert server_processes() == []
 
 

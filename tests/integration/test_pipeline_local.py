@@ -257,7 +257,7 @@ def test_report_renders_in_headless_chromium_with_its_figures(first_run, tmp_pat
 def launch_logs():
     """Every server log and trainer job log, with its size: a start appends to one of them."""
     paths = glob.glob(os.path.join(WORK, "vllm", "log", "*.log")) + \
-        glob.glob(os.path.join(WORK, "train", "default", "nodes", "*", "job.log"))
+        glob.glob(os.path.join(WORK, "train", "*", "nodes", "*", "job.log"))
     return {p: os.path.getsize(p) for p in paths}
 
 
@@ -318,3 +318,15 @@ def test_online_run_killed_during_training_resumes_evaluates_and_reports(first_r
     assert "online, as asked" in disk and "high-water mark" in disk and "requests served to training" in disk
     with open(os.path.join(REPORT, "report.html")) as f:
         assert "resumed" in f.read().split('id="resumptions"')[1]
+
+
+def test_online_rerun_after_completion_starts_no_server(first_run):
+    """The online training is complete: the rerun asks the train role first and starts no extraction server."""
+    before = launch_logs()
+    out, took = pipeline("run7.log", **ONLINE)
+    print("online no-op rerun: %.0f s" % took)
+    st = statuses()
+    assert all(st[name] == "skipped" for name in ("generate", "extract", "train", "evaluate")), st
+    assert "handoff_online" not in st, st  # no server was started, so none was released
+    assert "online: the training is complete, no server started" in out
+    assert launch_logs() == before

@@ -172,3 +172,20 @@ def test_remove_hidden_state_files_removes_only_the_connectors_files(tmp_path):
     assert E.remove_hidden_state_files(str(tmp_path)) == 3
     assert sorted(os.listdir(tmp_path)) == [".gpuflow-online.json", "keep.txt"]
     assert E.remove_hidden_state_files(str(tmp_path / "absent")) == 0
+
+
+def test_a_killed_online_run_is_counted_by_the_next_from_what_it_kept(tmp_path):
+    job = E.Job(argparse.Namespace(out=str(tmp_path), node_rank=0))
+    os.makedirs(job.dir)
+    E.atomic_json(os.path.join(job.dir, "online-run.json"),
+                  {"served_before": {"requests": 10, "prompt_tokens": 100}, "peak_bytes": 5000, "peak_files": 1,
+                   "orphans_removed": 0, "disk_samples": 30})
+    job.served_before = {"requests": 25, "prompt_tokens": 400}  # what the server had served when this run began
+    job.fold_killed_run()
+    with open(os.path.join(job.dir, "online.jsonl")) as f:
+        (record,) = [json.loads(line) for line in f]
+    assert record["state"] == "killed" and record["requests_served"] == 15 and record["prompt_tokens_served"] == 300
+    assert record["peak_bytes"] == 5000 and not os.path.exists(os.path.join(job.dir, "online-run.json"))
+    job.fold_killed_run()  # nothing kept, nothing added
+    with open(os.path.join(job.dir, "online.jsonl")) as f:
+        assert len(f.readlines()) == 1

@@ -20,7 +20,8 @@ Runs with the speculators venv's python, around `torchrun ... gpuflow_train_laun
            (--watch-dir, the connector path): removes files an interrupted run fetched and
            never consumed, samples the path's high-water mark while training runs, counts
            the requests and prompt tokens the server served (--metrics-url), and appends
-           one record per run to nodes/R/online.jsonl.
+           one record per run to nodes/R/online.jsonl (a run killed without a word is
+           recorded by the next from what it kept in nodes/R/online-run.json).
            SIGTERM/SIGINT: waits for a checkpoint save in progress to end, then sends
            SIGTERM to the trainer processes only (not torchrun's group, whose DataLoader
            workers would die mid-save), so speculators writes a complete interrupted/.
@@ -448,6 +449,29 @@ class Job:
                                             "time": time.time()}) + "\n")
         return {"stale_trainers_stopped": stale, "incomplete_checkpoints_set_aside": set_aside}
 
+    def save_online_run(self):
+        """What this run has cost so far, kept while it runs: a run killed without a word is still counted."""
+        atomic_json(os.path.join(self.dir, "online-run.json"),
+                    {"served_before": self.served_before, "peak_bytes": self.watch.peak_bytes,
+                     "peak_files": self.watch.peak_files, "orphans_removed": self.orphans_removed,
+                     "disk_samples": self.watch.samples}, sync=False)
+
+    def fold_killed_run(self):
+        """A run that never wrote its record was killed: record it from what it kept, its requests being what the
+        server served between its start and this one's."""
+        path = os.path.join(self.dir, "online-run.json")
+        killed = read_json(path)
+        if not killed:
+            return
+        before, now = killed.get("served_before"), self.served_before
+        record = dict(killed, state="killed", time=time.time(), leftovers_removed=0,
+                      requests_served=now["requests"] - before["requests"] if before and now else None,
+                      prompt_tokens_served=now["prompt_tokens"] - before["prompt_tokens"] if before and now else None)
+        record.pop("served_before")
+        with open(os.path.join(self.dir, "online.jsonl"), "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        os.remove(path)
+
     def online_record(self, state):
         """What this run cost the extraction server and the disk, appended to online.jsonl (a resumed
         training adds up its runs)."""
@@ -461,6 +485,7 @@ class Job:
                   "prompt_tokens_served": after["prompt_tokens"] - before["prompt_tokens"] if before and after else None}
         with open(os.path.join(self.dir, "online.jsonl"), "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
+        os.remove(os.path.join(self.dir, "online-run.json"))
         return record
 
     def on_signal(self, signum, _frame):
@@ -493,6 +518,8 @@ class Job:
             self.watch = DiskWatch(a.watch_dir)
             self.watch.start()
             self.served_before = served_counters(a.metrics_url) if a.metrics_url else None
+            self.fold_killed_run()
+            self.save_online_run()
         self.offset = os.path.getsize(self.metrics) if os.path.exists(self.metrics) else 0
         launcher = [LAUNCHER, "--events", self.metrics, "--node-rank", str(a.node_rank)]
         argv = [sys.executable, "-m", "torch.distributed.run"] + a.torchrun + launcher + a.train_args
@@ -512,6 +539,8 @@ class Job:
                 pass
             self.follow()
             self.progress("running")
+            if self.watch:
+                self.save_online_run()
         self.follow()
         rc = self.torchrun.returncode
         if rc != 0:
@@ -680,8 +709,9 @@ def cmd_stage(a):
         atomic_json(run_file, {"identity": a.identity, "summary": json.loads(a.summary)})
         # what online runs of another training cost is not this one's
         for rank_dir in (os.listdir(os.path.join(a.out, "nodes")) if os.path.isdir(os.path.join(a.out, "nodes")) else []):
-            if os.path.exists(os.path.join(a.out, "nodes", rank_dir, "online.jsonl")):
-                os.remove(os.path.join(a.out, "nodes", rank_dir, "online.jsonl"))
+            for name in ("online.jsonl", "online-run.json"):
+                if os.path.exists(os.path.join(a.out, "nodes", rank_dir, name)):
+                    os.remove(os.path.join(a.out, "nodes", rank_dir, name))
     data = os.path.join(a.out, "data")
     source = {"prepared": os.path.abspath(a.prepared), "extract_fingerprint": a.extract_fingerprint}
     if read_json(os.path.join(data, "SOURCE.json")) != source:
