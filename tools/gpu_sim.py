@@ -16,6 +16,8 @@ plugins/module_utils/simulated_backend.py (format 1).
                     [--comm NAME]             # process name (comm), e.g. nv-hostengine
                     [--tag TEXT]              # free text in the command line, e.g. vllm
                     [--ready-file F]          # JSON {"pid", "holders": [...]} once everything holds
+  gpu_sim.py attach --state-dir D --gpu 0 --pid P [--pid P2] [--mib 1024]
+                                             # running processes (a server's) hold GPUs until they exit
   gpu_sim.py idle   [--comm NAME] [--tag TEXT] [ARGS...]   # CPU-only process
   gpu_sim.py status --state-dir D            # memory per GPU as the backend computes it
   gpu_sim.py set-gpu --state-dir D --gpu 0 [--health unhealthy] [--persistence on|off]
@@ -204,6 +206,20 @@ def cmd_hold(a):
         signal.pause()
 
 
+def cmd_attach(a):
+    """Register running processes this tool did not start (a vLLM server's) as holders: memory and a
+    context, no device files. Each holds until it exits, and its memory lags the exit like any holder's."""
+    d = os.path.abspath(a.state_dir)
+    attached = []
+    for pid in a.pid:
+        proc = psutil.Process(pid)
+        _atomic_write_json(os.path.join(d, "holders", "%d.json" % pid), {
+            "pid": pid, "create_time": proc.create_time(),
+            "gpus": dict((str(k), int(a.mib)) for k in a.gpu), "context": True, "dead_since": None})
+        attached.append(pid)
+    print(json.dumps({"attached": attached, "gpus": a.gpu, "mib_each": a.mib}))
+
+
 def cmd_idle(a):
     if a.comm:
         set_comm(a.comm)
@@ -308,6 +324,11 @@ def main(argv=None):
     p.add_argument("--comm")
     p.add_argument("--ready-file")
     p.add_argument("--tag", help="free text that only shows in the command line (e.g. vllm)")
+    p = sub.add_parser("attach", help="running processes (e.g. a server's) hold simulated GPUs until they exit")
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--gpu", type=int, action="append", required=True)
+    p.add_argument("--pid", type=int, action="append", required=True)
+    p.add_argument("--mib", type=int, default=1024, help="held by each process on each GPU")
     p = sub.add_parser("idle")
     p.add_argument("--comm")
     p.add_argument("--tag", help="free text that only shows in the command line (e.g. vllm)")
@@ -325,7 +346,7 @@ def main(argv=None):
                    help="any GPU field, e.g. remapped_rows_pending=true, nvlink_peers=[1], reset.count=0")
     p.add_argument("--host", action="append", metavar="KEY=JSON", help="state.json field, e.g. nvswitch=true")
     a = ap.parse_args(argv)
-    return {"init": cmd_init, "hold": cmd_hold, "idle": cmd_idle, "status": cmd_status,
+    return {"init": cmd_init, "hold": cmd_hold, "attach": cmd_attach, "idle": cmd_idle, "status": cmd_status,
             "set-gpu": cmd_set_gpu}[a.cmd](a) or 0
 
 
