@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Run test phases in order, time each, print a summary; exit non-zero if any phase failed.
 # Phases: unit mutation lint sanity package integration molecule.
+# A group a+b+c runs its phases at once: a in the foreground, the others in the background with
+# their output kept in .cache/test-logs/<phase>.log and printed once the group has ended (the light
+# phases beside the long integration phase, where a second core is mostly idle).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT" || exit 1
@@ -18,21 +21,44 @@ run_phase() {
     esac
 }
 
-for phase in "$@"; do
-    case "$phase" in
-        unit|mutation|lint|sanity|package|integration|molecule) ;;
-        *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
-    esac
+for group in "$@"; do
+    for phase in ${group//+/ }; do
+        case "$phase" in
+            unit|mutation|lint|sanity|package|integration|molecule) ;;
+            *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
+        esac
+    done
 done
 
+LOGS="$ROOT/.cache/test-logs"
 summary=()
 failed=0
 start_all=$SECONDS
-for phase in "$@"; do
+for group in "$@"; do
+    read -r -a phases <<< "${group//+/ }"
+    background=("${phases[@]:1}")
+    mkdir -p "$LOGS"
+    for phase in "${background[@]}"; do
+        echo "=== phase: $phase (in the background, beside ${phases[0]}; output in $LOGS/$phase.log) ==="
+        (
+            start=$SECONDS
+            if run_phase "$phase" > "$LOGS/$phase.log" 2>&1; then verdict=ok; else verdict=FAILED; fi
+            printf '%s %d\n' "$verdict" $((SECONDS - start)) > "$LOGS/$phase.result"
+        ) &
+    done
+    phase=${phases[0]}
     echo "=== phase: $phase ==="
     start=$SECONDS
     if run_phase "$phase"; then verdict=ok; else verdict=FAILED; failed=1; fi
     summary+=("$(printf '%-12s %-7s %5ds' "$phase" "$verdict" $((SECONDS - start)))")
+    wait
+    for phase in "${background[@]}"; do
+        echo "=== phase: $phase (ran in the background) ==="
+        cat "$LOGS/$phase.log"
+        read -r verdict seconds < "$LOGS/$phase.result"
+        [[ $verdict == ok ]] || failed=1
+        summary+=("$(printf '%-12s %-7s %5ds' "$phase" "$verdict" "$seconds")")
+    done
 done
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"

@@ -22,7 +22,7 @@ SAMPLES = 48
 TRUNCATED = 0
 KILLED_RUN = {"eagle3_train_epochs": 8}  # the killed run, its resume and the rerun after completion
 ONLINE_KILLED_RUN = {"eagle3_train_epochs": 3}
-COMPARED = {"eagle3_train_epochs": 3}  # offline and online, the same data and seed
+COMPARED = {"eagle3_train_epochs": 2}  # offline and online, the same data and seed
 # |val loss online - offline| / offline, measured with COMPARED on this machine: 0.0000 (the server writes the same
 # bf16 hidden states the offline files hold, and training is seeded); 1% leaves room for kernel nondeterminism
 VAL_LOSS_TOLERANCE = 0.01
