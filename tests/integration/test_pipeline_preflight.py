@@ -64,8 +64,9 @@ def tree(root):
     return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files)
 
 
-def run_preflight(inventories, extra_vars, tmp_path, check_mode=False):
-    """Run the preflight; return (rc, output). Asserts that no host reported a change."""
+def run_preflight(inventories, extra_vars, tmp_path, check_mode=False, allow_changes=False):
+    """Run the preflight; return (rc, output). Asserts that no host reported a change (allow_changes: online
+    mode across hosts writes and removes its probe)."""
     ev = tmp_path / "extra_vars.json"
     ev.write_text(json.dumps(extra_vars))
     argv = [PLAYBOOK_BIN, PREFLIGHT, "-e", "@%s" % ev]
@@ -79,7 +80,7 @@ def run_preflight(inventories, extra_vars, tmp_path, check_mode=False):
                        universal_newlines=True, timeout=300, check=False)
     out = p.stdout
     changed = [int(n) for n in re.findall(r"\bchanged=(\d+)", out)]
-    assert changed and not any(changed), out[-4000:]
+    assert changed and (allow_changes or not any(changed)), out[-4000:]
     return p.returncode, out
 
 
@@ -247,6 +248,76 @@ def test_two_extract_hosts_need_a_shared_work_dir(seed, tmp_path):
     expect_failure(run, {}, "preflight: 2 extract hosts without a shared work directory", inventories=[inv])
     rc, out = run({"gpuflow_work_dir_shared": True}, [inv])
     assert "extract hosts without a shared work directory" not in out
+
+
+# online hidden states --------------------------------------------------------------------------------
+DISJOINT = {"vllm_server_gpus": [0, 1, 2, 3], "vllm_server_tensor_parallel_size": 4, "eagle3_train_gpus": [4, 5, 6, 7]}
+
+
+def test_online_on_one_host_needs_disjoint_gpus(seed):
+    run = seed[0]
+    expect_failure(run, {"gpuflow_hidden_states": "online"},
+                   "online mode keeps the extraction server running while this host trains, but vllm_server_gpus "
+                   "[0, 1, 2, 3, 4, 5, 6, 7] and eagle3_train_gpus [0, 1, 2, 3, 4, 5, 6, 7] share")
+    # disjoint sets pass, and a disk far too small is no limit when nothing is stored
+    rc, out = run(dict(DISJOINT, gpuflow_hidden_states="online", gpuflow_disk_free_bytes=1))
+    assert rc == 0, out[-4000:]
+
+
+def test_auto_lets_a_budget_that_does_not_fit_go_online(seed):
+    run = seed[0]
+    expect_failure(run, dict(DISJOINT, gpuflow_disk_free_bytes=1), "disk budget. The hidden states of 10000 samples")
+    rc, out = run(dict(DISJOINT, gpuflow_hidden_states="auto", gpuflow_disk_free_bytes=1))
+    assert rc == 0, out[-4000:]
+
+
+def test_online_serves_from_one_extract_host(seed, tmp_path):
+    run = seed[0]
+    inv = seed_inventory_with(tmp_path, lambda groups: groups["extract"]["hosts"].update({"gpu-node-02": None}))
+    expect_failure(run, dict(DISJOINT, gpuflow_hidden_states="online", gpuflow_work_dir_shared=True),
+                   "serves hidden states to training from one server: put one host in the extract group (it has 2)",
+                   inventories=[inv])
+
+
+def online_across_hosts(tmp_path, train_python, **extract_vars):
+    """preflight.yml on serve-host (inference, extract) and train-host (train), both this machine through
+    local connections, the local default's tiny-model settings; (rc, output, the connector path)."""
+    work = tmp_path / "work"
+    hosts = {"all": {
+        "children": {"inference": {"hosts": {"serve-host": extract_vars}}, "extract": {"hosts": {"serve-host": None}},
+                     "train": {"hosts": {"train-host": {"ansible_python_interpreter": train_python}}}},
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": VENV_PYTHON, "gpuflow_tiny_model": True,
+                 "gpuflow_work_dir": str(work), "gpuflow_hidden_states": "online",
+                 "hidden_state_extract_layer_ids": [1, 2, 3], "hidden_state_extract_seq_length": 512,
+                 "eagle3_train_total_seq_len": 512}}}
+    inv = tmp_path / "online.yml"
+    inv.write_text(yaml.safe_dump(hosts))
+    rc, out = run_preflight([str(inv)], {}, tmp_path, allow_changes=True)
+    return rc, unwrapped(out), work / "hidden_states" / "default" / "staging"
+
+
+def test_online_across_hosts_needs_a_server_other_hosts_reach(tmp_path):
+    rc, out, _ = online_across_hosts(tmp_path, VENV_PYTHON)
+    assert rc != 0 and "train-host: online mode trains here against the extraction server on serve-host, which " \
+        "listens on 127.0.0.1 only" in out, out[-4000:]
+
+
+def test_online_across_hosts_needs_the_connector_path_on_both(tmp_path):
+    rc, out, staging = online_across_hosts(tmp_path, VENV_PYTHON, hidden_state_extract_listen_host="10.0.0.1")
+    assert rc == 0, out[-4000:]
+    assert staging.is_dir() and not list(staging.iterdir())  # the probe was written, read and removed
+    if os.geteuid() != 0:
+        pytest.skip("hiding the work directory from the train host needs a mount namespace (root)")
+    # the train host's modules run in their own mount namespace, an empty tmpfs over the work directory:
+    # a host that does not share the extract host's filesystem
+    hidden = tmp_path / "train-python"
+    hidden.write_text("#!/bin/sh\nexec unshare --mount sh -c 'mount -t tmpfs tmpfs \"$0\" && exec \"$@\"' %s %s \"$@\"\n"
+                      % (tmp_path / "work", VENV_PYTHON))
+    hidden.chmod(0o755)
+    rc, out, staging = online_across_hosts(tmp_path, str(hidden), hidden_state_extract_listen_host="10.0.0.1")
+    assert rc != 0 and "train-host: online mode fetches each sample's hidden states from files the server on " \
+        "serve-host writes to %s, but the probe written there is not visible here" % staging in out, out[-4000:]
+    assert not list(staging.iterdir())
 
 
 # (e) ---------------------------------------------------------------------------------------------
