@@ -190,3 +190,42 @@ def test_base_backend_reset_hooks_unsupported():
         B.GpuBackend().reset_gpu(0)
     with pytest.raises(B.BackendUnsupported):
         B.GpuBackend().set_persistence_mode(0, True)
+
+
+# ------------------------------------------------------------------ the NVML backend's reset path, real subprocesses
+STUB_SMI = """#!/bin/sh
+# records its argv; behaves as the mode file says
+mode=$(cat "$(dirname "$0")/mode")
+printf '%s\\n' "$*" >> "$(dirname "$0")/calls"
+case "$mode" in
+  ok) echo "GPU 00000000:1A:00.0 was successfully reset."; exit 0 ;;
+  busy) printf 'The following GPUs could not be reset:\\n  GPU 00000000:1A:00.0: In use by another client\\n'; exit 255 ;;
+  unsupported) echo "Resetting GPU is not supported"; exit 3 ;;
+  hang) sleep 30 ;;
+esac
+"""
+
+
+def test_nvml_backend_resets_through_nvidia_smi_and_bounds_a_hang(tmp_path, monkeypatch):
+    """Through a stub nvidia-smi first on PATH: the argv lists the NVML backend runs, the outcome of each exit
+    code, and a hung nvidia-smi ended at the timeout (failed, timed out), not waited for."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(STUB_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", "%s%s%s" % (tmp_path, os.pathsep, os.environ["PATH"]))
+    backend = object.__new__(N.NvmlBackend)  # no NVML worker: the reset path needs only the GPUs' UUIDs
+    backend._gpus = [{"index": 0, "uuid": "GPU-aaaa"}, {"index": 1, "uuid": "GPU-bbbb"}]
+    backend.timeout = 1.0
+    outcomes = {}
+    for mode in ("ok", "busy", "unsupported"):
+        (tmp_path / "mode").write_text(mode)
+        outcomes[mode] = backend.reset_gpus([0, 1], timeout=10)["outcome"]
+    assert outcomes == {"ok": "ok", "busy": "busy", "unsupported": "unsupported"}
+    (tmp_path / "mode").write_text("ok")
+    assert backend.set_persistence_mode(1, False)["outcome"] == "ok"
+    (tmp_path / "mode").write_text("hang")
+    t = time.monotonic()
+    hung = backend.reset_gpus([0], timeout=0.5)
+    assert hung["outcome"] == "failed" and hung["timed_out"] and time.monotonic() - t < 5
+    assert (tmp_path / "calls").read_text().splitlines() == [
+        "--gpu-reset -i GPU-aaaa,GPU-bbbb"] * 3 + ["-i GPU-bbbb -pm 0", "--gpu-reset -i GPU-aaaa"]
