@@ -344,6 +344,12 @@ class _Timer(object):
         return round(self.clock() - self.t0, 4)
 
 
+def _protected_compute(h, i):
+    """What a protected holder with a compute context keeps on GPU i (the drain leaves it by design)."""
+    return {"pid": h["pid"], "name": h.get("name"), "protected_by": h.get("protected_by"),
+            "used_mib": (h.get("gpu_memory_mib") or {}).get(i)}
+
+
 def _alive(pid, ct, proc_root):
     """True while the process exists as the same process and is not a zombie."""
     try:
@@ -611,6 +617,9 @@ def run_drain(backend, params, check_mode=False, systemd=None, proc_root="/proc"
         remaining = [h for pid, h in sorted(disc2["holders"].items()) if i in h["gpus"]]
         blockers = []
         verdict = "ready"
+        # allowed by design, but a compute context is memory the next stage will not have
+        protected_compute = [_protected_compute(h, i) for h in remaining
+                             if h["class"] == "protected" and i in (h.get("context_gpus") or [])]
         for h in remaining:
             if h["class"] in ("protected", "self"):
                 continue
@@ -641,7 +650,14 @@ def run_drain(backend, params, check_mode=False, systemd=None, proc_root="/proc"
                 tte = round(max(exits) - first_signal_t, 4)
             if gpu_targets and i in release_t and verdict == "ready":
                 ttr = round(release_t[i] - first_signal_t, 4)
+        if verdict == "ready":
+            for kept in protected_compute:
+                warn("GPU %d is ready, but the protected process %s (pid %d, %s) holds %s MiB of compute memory on it: "
+                     "the next stage has that much less"
+                     % (i, kept["name"], kept["pid"], kept["protected_by"],
+                        "an unknown amount of" if kept["used_mib"] is None else kept["used_mib"]))
         gres.append({"index": i, "uuid": g["uuid"], "verdict": verdict, "blocked_by": blockers,
+                     "protected_compute": protected_compute,
                      "memory_before": disc["memory"][i], "memory_after": disc2["memory"][i],
                      "baseline_mib": baseline[i],
                      "holders": [H.public_holder(h) for pid, h in sorted(hs.items()) if i in h["gpus"]],

@@ -230,6 +230,15 @@ gpus:
       type: list
       elements: dict
       sample: []
+    protected_compute:
+      description:
+        - Protected processes that keep a compute context on the GPU after the drain (C(pid), C(name), C(protected_by),
+          C(used_mib)). They are allowed by design, but a GPU called ready with one also gets a warning with its MiB.
+        - Returned after a drain, not in check mode.
+      type: list
+      elements: dict
+      returned: when not in check mode
+      sample: []
     memory_before:
       description: Memory (MiB) at discovery.
       type: dict

@@ -223,12 +223,26 @@ def test_protected_and_management_untouched(tmp_path):
     h.holder(BASE + 1, [0], comm="nv-hostengine", argv=["/usr/bin/nv-hostengine"])
     h.fp.add(BASE + 2, argv=["python3", "nvml_mon.py"], fds=[gpu_fd(0)] + HOSTWIDE)
     h.holder(BASE + 3, [0], argv=["python3", "job.py"], mib=3000)
-    res, sig, dummy = h.run({"protected": ["never-matches"]})
+    res, sig, warnings = h.run({"protected": ["never-matches"]})
     assert [c[1] for c in sig.calls] == [BASE + 3]
     reasons = dict((x["pid"], x["reason"]) for x in res["plan"]["skipped"])
     assert "protected" in reasons[BASE + 1] and "management" in reasons[BASE + 2]
     # the protected holder's memory is allowed for: GPU is ready with it still running
     assert res["ready"]
+
+
+def test_ready_with_a_protected_compute_holder_warns_with_its_memory(tmp_path):
+    h = Host(tmp_path)
+    h.holder(BASE + 1, [0], comm="nv-hostengine", argv=["/usr/bin/nv-hostengine"], mib=512)
+    h.holder(BASE + 2, [1], argv=["python3", "job.py"], mib=3000)
+    res, sig, warnings = h.run({})
+    assert res["ready"] and [c[1] for c in sig.calls] == [BASE + 2]
+    kept = res["gpus"][0]["protected_compute"]
+    assert [(x["pid"], x["name"], x["used_mib"]) for x in kept] == [(BASE + 1, "nv-hostengine", 512)]
+    assert res["gpus"][1]["protected_compute"] == []
+    assert [w for w in warnings if "is ready, but" in w] == [
+        "GPU 0 is ready, but the protected process nv-hostengine (pid %d, %s) holds 512 MiB of compute memory on it: "
+        "the next stage has that much less" % (BASE + 1, kept[0]["protected_by"])]
 
 
 def test_pids_with_setsid_grandchild(tmp_path):
