@@ -6,7 +6,7 @@ Same command line as tools/gpu_sim.py's ``hold`` / ``idle`` where it matters:
 
   python3 cuda_holder.py hold --gpu 0 --gib 110 [--ignore-sigterm]
                               [--children N [--child-gib G] [--orphan]] [--escape]
-                              [--management-client] [--ready-file F] [--tag TEXT]
+                              [--management-client] [--ready-file F] [--tag TEXT] [--comm NAME]
   python3 cuda_holder.py idle [--tag TEXT]          # CPU-only python process
 
 Forks happen before CUDA is initialised (CUDA does not survive fork); every GPU holder
@@ -72,7 +72,15 @@ def _fork(fn):
     return pid
 
 
+def _set_comm(name):
+    """The process name (comm) others see, e.g. a protected daemon's (prctl PR_SET_NAME)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
 def cmd_hold(a):
+    if a.comm:
+        _set_comm(a.comm)
     child_gib = a.gib if a.child_gib is None else a.child_gib
     r, w = os.pipe()
     spawned = []
@@ -136,6 +144,7 @@ def main(argv=None):
     p.add_argument("--escape", action="store_true")
     p.add_argument("--management-client", action="store_true")
     p.add_argument("--ready-file")
+    p.add_argument("--comm", help="process name (comm), e.g. nv-hostengine")
     p.add_argument("--tag")
     p = sub.add_parser("idle")
     p.add_argument("--tag")

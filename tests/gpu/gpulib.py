@@ -69,7 +69,7 @@ class Holders(object):
         return argv
 
     def hold(self, gpus, gib=1.0, ignore_sigterm=False, children=0, child_gib=None, orphan=False,
-             escape=False, management_client=False, timeout=300):
+             escape=False, management_client=False, comm=None, timeout=300):
         self.n += 1
         ready = os.path.join(self.workdir, "ready-%s-%d.json" % (self.tag, self.n))
         argv = self._argv("hold")
@@ -93,6 +93,8 @@ class Holders(object):
             argv.append("--escape")
         if management_client:
             argv.append("--management-client")
+        if comm:
+            argv += ["--comm", comm]
         argv += ["--ready-file", ready, "--tag", self.tag]
         p = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._remember(p.pid)
