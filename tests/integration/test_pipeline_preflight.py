@@ -297,7 +297,7 @@ def online_across_hosts(tmp_path, train_python, **extract_vars):
 
 
 def test_online_across_hosts_needs_a_server_other_hosts_reach(tmp_path):
-    rc, out, _ = online_across_hosts(tmp_path, VENV_PYTHON)
+    rc, out = online_across_hosts(tmp_path, VENV_PYTHON)[:2]
     assert rc != 0 and "train-host: online mode trains here against the extraction server on serve-host, which " \
         "listens on 127.0.0.1 only" in out, out[-4000:]
 
