@@ -15,7 +15,7 @@ pipeline: bootstrap
 	ansible-playbook playbooks/pipeline.yml -e gpuflow_cache_dir=$(CURDIR)/.cache
 
 test: bootstrap system-deps
-	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh unit integration+mutation+lint+sanity+package molecule
+	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh unit integration+mutation+lint+sanity+package+molecule-hosts molecule-vllm
 
 quick: bootstrap
 	scripts/test.sh unit lint integration

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run test phases in order, time each, print a summary; exit non-zero if any phase failed.
-# Phases: unit mutation lint sanity package integration molecule.
+# Phases: unit mutation lint sanity package integration molecule; molecule-hosts and molecule-vllm
+# split molecule in two: the scenarios without a vLLM server (default, gpu_fleet, pipeline_transfer)
+# and those with one (pipeline, vllm_server, which reuse the venvs the integration phase builds).
 # A group a+b+c runs its phases at once: a in the foreground, the others in the background with
 # their output kept in .cache/test-logs/<phase>.log and printed once the group has ended (the light
 # phases beside the long integration phase, where a second core is mostly idle).
@@ -18,13 +20,15 @@ run_phase() {
         package)     scripts/package_check.sh ;;
         integration) pytest -q --durations=12 tests/integration ;;
         molecule)    scripts/molecule.sh ;;
+        molecule-hosts) scripts/molecule.sh default gpu_fleet pipeline_transfer ;;
+        molecule-vllm)  scripts/molecule.sh pipeline vllm_server ;;
     esac
 }
 
 for group in "$@"; do
     for phase in ${group//+/ }; do
         case "$phase" in
-            unit|mutation|lint|sanity|package|integration|molecule) ;;
+            unit|mutation|lint|sanity|package|integration|molecule|molecule-hosts|molecule-vllm) ;;
             *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
         esac
     done
