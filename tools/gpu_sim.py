@@ -149,6 +149,13 @@ def _install_term_handler(a):
         signal.signal(signal.SIGTERM, lambda s, f: os._exit(0))
 
 
+def _register_holder(state_dir, proc, gpus, mib):
+    """holders/<pid>.json: the backend counts mib on each GPU while this exact process lives."""
+    _atomic_write_json(os.path.join(state_dir, "holders", "%d.json" % proc.pid), {
+        "pid": proc.pid, "create_time": proc.create_time(),
+        "gpus": dict((str(k), int(mib)) for k in gpus), "context": True, "dead_since": None})
+
+
 def cmd_hold(a):
     if a.comm:
         set_comm(a.comm)
@@ -180,10 +187,7 @@ def cmd_hold(a):
         d = os.path.abspath(a.state_dir)
         a._fds = _open_devices(d, a.gpu, every_gpu=not a.management_client)  # kept open
         if not a.management_client:
-            me = psutil.Process()
-            _atomic_write_json(os.path.join(d, "holders", "%d.json" % me.pid), {
-                "pid": me.pid, "create_time": me.create_time(),
-                "gpus": dict((str(k), int(a.mib)) for k in a.gpu), "context": True, "dead_since": None})
+            _register_holder(d, psutil.Process(), a.gpu, a.mib)
         holders.append(os.getpid())
     os.close(w)
     buf = b""
@@ -212,10 +216,7 @@ def cmd_attach(a):
     d = os.path.abspath(a.state_dir)
     attached = []
     for pid in a.pid:
-        proc = psutil.Process(pid)
-        _atomic_write_json(os.path.join(d, "holders", "%d.json" % pid), {
-            "pid": pid, "create_time": proc.create_time(),
-            "gpus": dict((str(k), int(a.mib)) for k in a.gpu), "context": True, "dead_since": None})
+        _register_holder(d, psutil.Process(pid), a.gpu, a.mib)
         attached.append(pid)
     print(json.dumps({"attached": attached, "gpus": a.gpu, "mib_each": a.mib}))
 

@@ -125,6 +125,24 @@ def wait_for(predicate, timeout, what):
     raise AssertionError("timed out waiting for " + what)
 
 
+def kill_after_a_sub_epoch_checkpoint(env, out, overrides):
+    """Train in the background; after a sub-epoch checkpoint of the second epoch or later, SIGKILL the job's
+    whole group at once (the driver and torchrun). Returns the last step logged before the kill."""
+    proc = train(env, out, background=True, **overrides)
+    try:
+        wait_for(lambda: any(e["kind"] == "save_end" and e["local_step"] > 0 and e["global_step"] > 8
+                             for e in events(out)), 300, "a sub-epoch checkpoint after step 8")
+        with open(os.path.join(out, "nodes", "0", "job.json")) as f:
+            job = json.load(f)["pid"]
+        before_kill = max(steps(out))
+        os.killpg(job, signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return before_kill
+
+
 def test_preflight_refusals_start_nothing(env):
     out = os.path.join(env["work"], "train", "refused")
     freq = os.path.join(env["out"], "prepared", "token_freq.pt")
@@ -168,19 +186,7 @@ def test_graceful_stop_leaves_a_complete_interrupted_checkpoint(env):
 
 def test_killed_midway_then_rerun_resumes_and_the_step_count_continues(env):
     out = os.path.join(env["work"], "train", "killed")
-    proc = train(env, out, background=True, **KILLED_RUN)
-    try:
-        # a sub-epoch checkpoint of the second epoch or later, then kill the job's whole group at once
-        wait_for(lambda: any(e["kind"] == "save_end" and e["local_step"] > 0 and e["global_step"] > 8
-                             for e in events(out)), 300, "a sub-epoch checkpoint after step 8")
-        with open(os.path.join(out, "nodes", "0", "job.json")) as f:
-            job = json.load(f)["pid"]
-        before_kill = max(steps(out))
-        os.killpg(job, signal.SIGKILL)
-        assert proc.wait(timeout=120) != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    before_kill = kill_after_a_sub_epoch_checkpoint(env, out, KILLED_RUN)
     # the trainers, orphaned, get SIGTERM from the parent-death signal and end
     wait_for(lambda: not trainers(), 120, "the orphaned trainers to end")
     with open(os.path.join(out, "checkpoints", "gpuflow-run.json")) as f:
@@ -320,18 +326,7 @@ def test_online_and_offline_reach_validation_losses_within_tolerance(env, online
 def test_online_trainer_killed_midway_resumes_and_leaves_no_hidden_states(env, online):
     out = os.path.join(env["work"], "train", "online-killed")
     run = dict(ONLINE_KILLED_RUN, eagle3_train_hidden_states_dir=online["out"])
-    proc = train(env, out, background=True, **run)
-    try:
-        wait_for(lambda: any(e["kind"] == "save_end" and e["local_step"] > 0 and e["global_step"] > 8
-                             for e in events(out)), 300, "a sub-epoch checkpoint after step 8")
-        with open(os.path.join(out, "nodes", "0", "job.json")) as f:
-            job = json.load(f)["pid"]
-        before_kill = max(steps(out))
-        os.killpg(job, signal.SIGKILL)  # the job's group: the driver and torchrun
-        assert proc.wait(timeout=120) != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    before_kill = kill_after_a_sub_epoch_checkpoint(env, out, run)
     # the orphaned trainer gets SIGTERM from the parent-death signal, most likely inside a fetch, and ends
     wait_for(lambda: not trainers(), 120, "the orphaned trainers to end")
     assert max(steps(out)) <= before_kill + 2, "the orphaned trainer trained on"

@@ -326,10 +326,10 @@ def test_online_run_killed_during_training_resumes_evaluates_and_reports(first_r
     with open(os.path.join(WORK, "eval", "online", "MANIFEST.json")) as f:
         assert json.load(f)["speculative"]["drafts"] > 0  # vLLM loaded the online-trained drafter
     with open(os.path.join(REPORT, "report.html")) as f:
-        disk = f.read().split('id="disk"')[1].split('id="training"')[0]
+        html = f.read()
+    disk = html.split('id="disk"')[1].split('id="training"')[0]
     assert "online, as asked" in disk and "high-water mark" in disk and "requests served to training" in disk
-    with open(os.path.join(REPORT, "report.html")) as f:
-        assert "resumed" in f.read().split('id="resumptions"')[1]
+    assert "resumed" in html.split('id="resumptions"')[1]
 
 
 def test_online_rerun_after_completion_starts_no_server(first_run):

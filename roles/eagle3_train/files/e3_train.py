@@ -328,6 +328,14 @@ def served_counters(url):
     return counts
 
 
+def served_between(before, after):
+    """Requests and prompt tokens served between two served_counters() readings (None where one is missing)."""
+    if not before or not after:
+        return {"requests_served": None, "prompt_tokens_served": None}
+    return {"requests_served": after["requests"] - before["requests"],
+            "prompt_tokens_served": after["prompt_tokens"] - before["prompt_tokens"]}
+
+
 def hidden_state_files(path):
     """(paths, bytes) of the connector's hidden-states files (and their locks) in path."""
     paths, total = [], 0
@@ -463,11 +471,8 @@ class Job:
         killed = read_json(path)
         if not killed:
             return
-        before, now = killed.get("served_before"), self.served_before
         record = dict(killed, state="killed", time=time.time(), leftovers_removed=0,
-                      requests_served=now["requests"] - before["requests"] if before and now else None,
-                      prompt_tokens_served=now["prompt_tokens"] - before["prompt_tokens"] if before and now else None)
-        record.pop("served_before")
+                      **served_between(killed.pop("served_before", None), self.served_before))
         with open(os.path.join(self.dir, "online.jsonl"), "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
         os.remove(path)
@@ -476,13 +481,11 @@ class Job:
         """What this run cost the extraction server and the disk, appended to online.jsonl (a resumed
         training adds up its runs)."""
         after = served_counters(self.a.metrics_url) if self.a.metrics_url else None
-        before = self.served_before
-        record = {"state": state, "time": time.time(), "peak_bytes": self.watch.peak_bytes,
-                  "peak_files": self.watch.peak_files, "disk_samples": self.watch.samples,
-                  "orphans_removed": self.orphans_removed,
-                  "leftovers_removed": remove_hidden_state_files(self.a.watch_dir),
-                  "requests_served": after["requests"] - before["requests"] if before and after else None,
-                  "prompt_tokens_served": after["prompt_tokens"] - before["prompt_tokens"] if before and after else None}
+        record = dict({"state": state, "time": time.time(), "peak_bytes": self.watch.peak_bytes,
+                       "peak_files": self.watch.peak_files, "disk_samples": self.watch.samples,
+                       "orphans_removed": self.orphans_removed,
+                       "leftovers_removed": remove_hidden_state_files(self.a.watch_dir)},
+                      **served_between(self.served_before, after))
         with open(os.path.join(self.dir, "online.jsonl"), "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
         os.remove(os.path.join(self.dir, "online-run.json"))
