@@ -31,7 +31,7 @@ MUTATIONS = [
              '    if used > limit:\n        return False, "memory used',
              '    if False:\n        return False, "memory used'),
     Mutation("memory-held-blocker", "drain.py",
-             "        if i in pending and not blockers:\n",
+             "        if i in d.pending and not blockers:\n",
              "        if False:\n"),
     Mutation("own-tree-holder", "drain.py",
              '        if cls == "self":\n            skipped.append(_brief(h, "own process tree"))\n            continue\n',
@@ -48,11 +48,11 @@ MUTATIONS = [
              '    if pat:\n        return "protected", pat\n',
              ""),
     Mutation("restore-daemons-after-reset", "gpu_reset.py",
-             "            for u in reversed(stopped):\n",
-             "            for u in []:\n"),
+             "    for u in reversed(r.stopped):\n",
+             "    for u in []:\n"),
     Mutation("reset-timeout-reported", "gpu_reset.py",
-             '                        text = ("timed out after %s s. " % p["reset_timeout"]) + text\n',
-             "                        pass\n"),
+             '            text = ("timed out after %s s. " % r.p["reset_timeout"]) + text\n',
+             "            pass\n"),
 ]
 
 

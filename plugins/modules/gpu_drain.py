@@ -145,13 +145,11 @@ options:
     default: true
 extends_documentation_fragment:
   - gpuflow.eagle3.gpu_backend
+  - gpuflow.eagle3.attributes
 attributes:
   check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
-    support: full
     details: Returns the exact plan (units to stop, processes to signal and why, processes left alone and why).
   diff_mode:
-    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: full
     details: The holders of each target GPU before and after.
 notes:

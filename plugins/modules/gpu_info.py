@@ -41,12 +41,9 @@ options:
     default: true
 extends_documentation_fragment:
   - gpuflow.eagle3.gpu_backend
+  - gpuflow.eagle3.attributes
 attributes:
-  check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
-    support: full
   diff_mode:
-    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
 notes:
   - Run as root to see every process's file descriptors; PIDs whose C(/proc/PID/fd) cannot be read are listed in

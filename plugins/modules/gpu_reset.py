@@ -132,9 +132,46 @@ options:
   state_file:
     description:
       - A JSON file on the host that the collection's roles keep (drained mark, needs_power_cycle mark). When given,
-        its content is returned as RV(host_state) (an empty dict when the file does not exist); the module never
-        writes it. Lets a fleet pre-flight learn everything about a host in one call.
+        its content is returned as RV(host_state) (an empty dict when the file does not exist). Lets a fleet
+        pre-flight learn everything about a host in one call.
+      - The module writes it only with O(drain) (the drain record) or O(mark_state=true) (the needs_power_cycle
+        mark), never in check mode.
     type: path
+  drain:
+    description:
+      - Drain the reset groups before the reset, in the same call (what the M(gpuflow.eagle3.gpu_drain) module does,
+        with O(gpuflow.eagle3.gpu_drain#module:all_holders=true) on the GPUs to be reset, and the listed services
+        stopped first). The drain runs only when there is something to drain (a listed service is active, or a
+        compute process holds a GPU of a reset group); the reset runs only when the drain freed the GPUs.
+      - The drain is recorded in O(state_file). When every GPU comes back healthy and the host was not drained
+        before this run, the stopped services are started again and the record is cleared.
+      - A host's whole sequence in one module call (assess, drain, reset, restore, health, mark), so a fleet run
+        costs one call per host; the M(gpuflow.eagle3.gpu_reset) role uses it.
+    type: dict
+    suboptions:
+      services:
+        description: systemd services of the workload to stop first (only those active are stopped and restarted).
+        type: list
+        elements: str
+        default: []
+      grace_period:
+        description: Seconds between SIGTERM and SIGKILL.
+        type: float
+        default: 15
+      kill_timeout:
+        description: Seconds to wait for the processes to exit after SIGKILL.
+        type: float
+        default: 10
+      restore_services:
+        description: Start the stopped services again once every GPU is healthy.
+        type: bool
+        default: true
+  mark_state:
+    description:
+      - Keep the needs_power_cycle mark in O(state_file) - set it when a GPU needs a power cycle (or the drain failed
+        on a host already marked), clear it once the GPUs are healthy. The fleet's circuit breaker reads it.
+    type: bool
+    default: false
   fail_when_not_healthy:
     description:
       - Fail the task when a GPU ends in any verdict other than V(healthy) (in check mode, V(planned) is fine too).
@@ -143,14 +180,12 @@ options:
     default: true
 extends_documentation_fragment:
   - gpuflow.eagle3.gpu_backend
+  - gpuflow.eagle3.attributes
 attributes:
   check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
-    support: full
     details: Returns the plan (reset groups and commands, daemons to stop, persistence changes, blockers); nothing is
       stopped, no persistence mode is changed, no reset is run.
   diff_mode:
-    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: full
     details: Persistence mode and verdict of each GPU involved, and the daemons stopped and restarted.
 notes:
@@ -190,6 +225,21 @@ EXAMPLES = r'''
 - name: Print the verdicts
   ansible.builtin.debug:
     msg: "{{ reset.gpus | map(attribute='verdict') | list }}"
+
+- name: A host's whole sequence in one call - drain the vLLM service off the GPUs to reset, reset, restart it
+  gpuflow.eagle3.gpu_reset:
+    gpus: [all]
+    drain:
+      services: [vllm-kimi.service]
+      grace_period: 30
+    state_file: /var/lib/gpuflow/gpu_state.json
+    mark_state: true
+    fail_when_not_healthy: false
+  register: reset
+
+- name: Say what happened to the host
+  ansible.builtin.debug:
+    msg: "{{ reset.report.outcome }}: {{ reset.report.explanation }}"
 '''
 
 RETURN = r'''
@@ -355,10 +405,27 @@ actions:
   elements: dict
   sample: [{t: 0.31, action: reset, gpus: [1], argv: [nvidia-smi, --gpu-reset, -i, GPU-5f0f2a1e], rc: 0}]
 host_state:
-  description: Content of O(state_file) (empty when the file does not exist).
-  returned: when O(state_file) is given
+  description: Content of O(state_file) as the module left it (empty when the file does not exist).
+  returned: always
   type: dict
   sample: {drain: {drained: true, services_stopped: [vllm-kimi.service]}}
+drain:
+  description: The drain's result (as M(gpuflow.eagle3.gpu_drain) returns it), or null when no drain ran.
+  returned: always
+  type: dict
+  sample: {changed: true, ready: true, targets: [0], gpus: [{index: 0, verdict: ready}]}
+report:
+  description:
+    - The host's row of the fleet summary.
+    - C(outcome) is V(healthy) (nothing needed a reset), V(reset), V(planned) (check mode), V(drain_blocked) (the
+      drain did not free the GPUs; nothing was reset), or the reset's worst verdict.
+    - C(services_stopped) are still stopped, C(services_restored) were started again, C(needs_power_cycle) is the
+      host's mark, C(drain_s), C(reset_s) and C(host_s) are seconds, C(explanation) says why a GPU is not healthy.
+  returned: always
+  type: dict
+  sample: {outcome: reset, ok: true, was_drained: false, services_stopped: [], services_restored: [vllm.service],
+           daemons: [], needs_power_cycle: false, drain_s: 1.2, reset_s: 0.4, host_s: 1.9, explanation: "",
+           gpus: [{gpu: 0, uuid: GPU-5f0f2a1e, action: drain+reset, verdict: healthy, reasons: [], reset_s: 0.3}]}
 backend:
   description: Backend name and driver version.
   returned: always
@@ -389,9 +456,9 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import ( 
     DEFAULT_DAEMONS,
     ResetError,
     make_systemd,
-    read_state_file,
-    run_reset,
 )
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import DrainError  # noqa: E402
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.host_reset import reset_host  # noqa: E402
 
 
 def main():
@@ -413,9 +480,18 @@ def main():
         protected_defaults=dict(type="bool", default=True),
         fail_when_not_healthy=dict(type="bool", default=True),
         state_file=dict(type="path"),
+        drain=dict(type="dict", options=dict(
+            services=dict(type="list", elements="str", default=[]),
+            grace_period=dict(type="float", default=15.0),
+            kill_timeout=dict(type="float", default=10.0),
+            restore_services=dict(type="bool", default=True),
+        )),
+        mark_state=dict(type="bool", default=False),
     )
     argument_spec.update(backend_argument_spec())
-    module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
+    module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True,
+                           required_if=[("mark_state", True, ["state_file"])],
+                           required_by={"drain": "state_file"})
     p = module.params
 
     def run(argv):
@@ -424,12 +500,14 @@ def main():
     def open_backend():
         return select_backend(p["backend"], p.get("sim_state_dir"), timeout=p["nvml_timeout"])
 
-    not_reset = ("backend", "sim_state_dir", "nvml_timeout", "fail_when_not_healthy", "state_file")
-    params = dict((k, p[k]) for k in argument_spec if k not in not_reset)
+    host_options = ("backend", "sim_state_dir", "nvml_timeout", "fail_when_not_healthy", "state_file", "drain",
+                    "mark_state")
+    params = dict((k, p[k]) for k in argument_spec if k not in host_options)
     try:
-        result = run_reset(open_backend, params, check_mode=module.check_mode, systemd=make_systemd(run),
-                           t0=_T0, warn=module.warn)
-    except ResetError as e:
+        result = reset_host(open_backend, params, drain=p["drain"], state_file=p["state_file"],
+                            mark_state=p["mark_state"], check_mode=module.check_mode, systemd=make_systemd(run),
+                            warn=module.warn)
+    except (ResetError, DrainError) as e:
         module.fail_json(msg=str(e), changed=False)
     except BackendUnavailable as e:
         if e.missing_lib:
@@ -439,16 +517,14 @@ def main():
     except BackendError as e:
         module.fail_json(msg="GPU backend error: %s" % e, exception=traceback.format_exc())
 
-    if p["state_file"]:
-        try:
-            result["host_state"] = read_state_file(p["state_file"])
-        except ValueError as e:
-            module.warn("ignoring unreadable state file %s: %s" % (p["state_file"], e))
-            result["host_state"] = {}
+    result["elapsed_s"] = round(time.monotonic() - _T0, 4)
     diff = result.pop("diff")
     result.pop("check_mode", None)
     if module._diff:
         result["diff"] = diff
+    if result["report"]["outcome"] == "drain_blocked" and p["fail_when_not_healthy"]:
+        module.fail_json(msg="nothing was reset, the drain did not free the GPUs: " + result["report"]["explanation"],
+                         **result)
     if not result["ok"] and p["fail_when_not_healthy"]:
         bad = ["GPU %s %s: %s" % (g["index"], g["verdict"],
                                   "; ".join("%s%s" % ("PID %s " % b["pid"] if b.get("pid") else "", b.get("reason"))

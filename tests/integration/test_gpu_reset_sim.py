@@ -197,3 +197,23 @@ def test_drain_playbook_marks_and_is_idempotent(fleet):
     r = playbook(inv, "gpu_drain.yml")
     rc = recap(r.stdout)
     assert r.returncode == 0 and {"d1", "d2"} <= set(rc) and all(v["changed"] == 0 for v in rc.values()), rc
+
+
+def test_role_alone_drains_resets_and_reports_in_one_module_call(fleet):
+    inv = fleet({"r1": ["--gpu", "0", "--health", "unhealthy"]})
+    holder = fleet.hold("r1", "--gpu", "0", "--mib", "2048")
+    report = os.path.join(fleet.root, "report.json")
+    play = os.path.join(fleet.root, "role.yml")
+    with open(play, "w") as f:
+        f.write("- hosts: r1\n  gather_facts: false\n  roles: [gpuflow.eagle3.gpu_reset]\n  tasks:\n"
+                "    - ansible.builtin.copy: {content: '{{ gpu_reset_report | to_json }}', dest: %s}\n"
+                "      delegate_to: localhost\n" % report)
+    r = subprocess.run([os.path.join(BIN, "ansible-playbook"), "-i", inv, play], env=env(), capture_output=True,
+                       text=True, cwd=REPO, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert holder.wait(5) is not None
+    with open(report) as f:
+        rep = json.load(f)
+    assert rep["host"] == "r1" and rep["outcome"] == "reset" and rep["gpus"][0]["action"] == "drain+reset"
+    assert gpu(fleet.root, "r1")["reset"]["count"] == 1
+    assert r.stdout.count("gpuflow.eagle3.gpu_reset : Assess, drain, reset") == 1

@@ -1,0 +1,294 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuflow maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""One host's whole GPU reset in one call (PRIVATE to gpuflow.eagle3).
+
+:func:`reset_host` is what ``gpu_reset`` does when it is given ``drain`` or ``mark_state``: the
+sequence the ``gpu_reset`` role runs on every host of a fleet, without a module call per step
+(a fleet run pays one module call per host, not a dozen tasks):
+
+1. read the host's state file: was the host drained before this run (its services then stay
+   stopped), is it marked ``needs_power_cycle`` by an earlier run;
+2. assess (:func:`.gpu_reset.run_reset` in check mode): which GPUs need a reset, in which groups;
+   a host with nothing to reset and no mark stops here, unchanged;
+3. drain the reset groups (:func:`.drain.run_drain`) when there is something to drain: the
+   services named (only those systemd reports active) or compute holders on the groups.  The
+   drain is recorded in the state file (as the ``gpu_drain`` role records it);
+4. reset (:func:`.gpu_reset.run_reset`), only when the drain freed the GPUs;
+5. restore: start the drained services again when every GPU came back healthy and the host was
+   not drained before the run, then clear the drain record;
+6. mark: set ``needs_power_cycle`` when a GPU needs one, clear it once the GPUs are healthy.
+
+The result is the reset's (or the assessment's) result, plus ``drain`` (the drain's result or
+None), ``host_state`` (the state file as left) and ``report`` (the row the fleet summary shows).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import tempfile
+import time
+
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import (
+    DEFAULT_DAEMONS,
+    ResetError,
+    read_state_file,
+    run_reset,
+)
+
+DRAIN_DEFAULTS = {"services": [], "grace_period": 15.0, "kill_timeout": 10.0, "restore_services": True}
+OK_OUTCOMES = ("healthy", "reset", "planned")
+REBOOT_HINT = " (reboot the host: a holder is in D state and survived SIGKILL)"
+
+
+def now_iso():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+def write_state_file(path, state):
+    """Replace the state file atomically (root-owned 0644 in a 0755 directory, as the roles wrote it)."""
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, 0o755)
+    fd, tmp = tempfile.mkstemp(prefix=".gpu_state.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=4, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def validate_drain(drain, daemons):
+    """Bad drain options raise :class:`.gpu_reset.ResetError` before anything is looked at or changed."""
+    for name in drain["services"]:
+        if not name or "/" in name or name.startswith("-") or any(c.isspace() for c in name):
+            raise ResetError("malformed unit name %r in drain.services" % (name,))
+    units = set(n if "." in n else n + ".service" for n in drain["services"])
+    both = sorted(units & set(daemons))
+    if both:
+        # daemons are restored on every host, drained services only on healthy ones: one unit cannot be both
+        raise ResetError("drain.services and daemons both name %s" % ", ".join(both))
+    for k in ("grace_period", "kill_timeout"):
+        if float(drain[k]) < 0:
+            raise ResetError("drain.%s must be >= 0" % k)
+
+
+def active_services(systemd, services, warn):
+    """The named services that systemd reports running (only those are stopped, and later restarted)."""
+    if not services:
+        return []
+    if systemd is None or not systemd.booted():
+        warn("systemd is not booted on this host: services %s are not touched" % ", ".join(services))
+        return []
+    active = []
+    for name in services:
+        unit = name if "." in name else name + ".service"
+        rc, props = systemd.load_state(unit)
+        if rc == 0 and props.get("ActiveState") in ("active", "activating", "reloading"):
+            active.append(unit)
+    return active
+
+
+def compute_holders_on_groups(assessment):
+    """Whether a compute process blocks a reset group (management clients and daemons are the reset's business)."""
+    return any(b.get("class") == "compute" for g in assessment["plan"]["groups"] for b in g.get("blocked_by", []))
+
+
+def record_drain(state, drain_result, stopped):
+    """The state with this drain added to its ``drain`` record (services and GPUs accumulate)."""
+    prev = state.get("drain") or {}
+    new = dict(state)
+    new["drain"] = {
+        "drained": True,
+        "since": prev.get("since") or now_iso(),
+        "services_stopped": unique(list(prev.get("services_stopped") or []) + stopped),
+        "gpus": sorted(unique(list(prev.get("gpus") or []) + list(drain_result.get("targets") or []))),
+    }
+    return new
+
+
+def unique(items):
+    seen = []
+    for x in items:
+        if x not in seen:
+            seen.append(x)
+    return seen
+
+
+def blocked_by_text(blocked_by):
+    return "; ".join("%s%s" % ("PID %s %s: " % (b["pid"], b.get("name") or "") if b.get("pid") else "", b.get("reason"))
+                     for b in blocked_by)
+
+
+def explain(drain_result, drain_ok, gpus):
+    """One line: why the drain did not free the GPUs, and each GPU that did not end healthy."""
+    parts = []
+    if not drain_ok:
+        parts.append("drain: " + " | ".join(
+            "GPU %s %s%s: %s" % (g["index"], g["verdict"], REBOOT_HINT if g["verdict"] == "needs_reboot" else "",
+                                 blocked_by_text(g["blocked_by"]))
+            for g in drain_result["gpus"] if g["verdict"] not in ("ready", "planned")))
+    parts.append(" | ".join("GPU %s %s: %s" % (g["index"], g["verdict"], blocked_by_text(g["blocked_by"]))
+                            for g in gpus if g["verdict"] not in ("healthy", "planned")))
+    return re.sub(r"\s+", " ", " ".join(parts)).strip()
+
+
+def reset_host(open_backend, params, drain=None, state_file=None, mark_state=False, check_mode=False,
+               systemd=None, clock=time.monotonic, warn=None):
+    """Assess, drain, reset, restore and mark one host.  See the module docstring.
+
+    ``params`` are :func:`.gpu_reset.run_reset`'s; ``drain`` is None (no drain) or a dict of
+    :data:`DRAIN_DEFAULTS`' keys.  Raises what run_reset and run_drain raise, before any change.
+    """
+    t0 = clock()
+    seen = set()
+
+    def warn_once(msg):
+        if warn and msg not in seen:
+            seen.add(msg)
+            warn(msg)
+
+    try:
+        state = read_state_file(state_file) if state_file else {}
+    except ValueError as e:
+        warn_once("ignoring unreadable state file %s: %s" % (state_file, e))
+        state = {}
+    was_drained = bool((state.get("drain") or {}).get("drained"))
+    had_mark = bool((state.get("reset") or {}).get("needs_power_cycle"))
+    drain = None if drain is None else dict(DRAIN_DEFAULTS, **dict((k, v) for k, v in drain.items() if v is not None))
+    if drain is not None:
+        validate_drain(drain, params.get("daemons") or DEFAULT_DAEMONS)
+    changed = False
+
+    # 2. assess: only a drain needs to know the reset groups before the reset runs
+    assessment = None
+    act = True
+    if drain is not None:
+        assessment = run_reset(open_backend, params, check_mode=True, systemd=systemd, warn=warn_once)
+        act = bool(assessment["selected"]) or had_mark
+
+    # 3. drain
+    drain_result = None
+    stopped = []
+    reset_set = [str(i) for i in assessment["plan"]["reset_set"]] if assessment else []
+    if act and drain is not None and reset_set and (drain["services"] or compute_holders_on_groups(assessment)):
+        stopped = active_services(systemd, drain["services"], warn_once)
+        from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import run_drain  # only a drain pays its import
+
+        backend = open_backend()
+        try:
+            drain_result = run_drain(backend, {"gpus": reset_set, "units": stopped, "all_holders": True,
+                                               "protected": params.get("protected"),
+                                               "protected_defaults": params.get("protected_defaults", True),
+                                               "grace_period": drain["grace_period"],
+                                               "kill_timeout": drain["kill_timeout"]},
+                                     check_mode=check_mode, systemd=systemd, warn=warn_once)
+        finally:
+            backend.close()
+        changed = changed or drain_result["changed"]
+        if drain_result["changed"] and state_file and not check_mode:
+            state = record_drain(state, drain_result, stopped)
+            write_state_file(state_file, state)
+    drain_ok = drain_result is None or check_mode or drain_result["ready"]
+
+    # 4. reset; in check mode the assessment is the plan (a second look would still see the holders the drain
+    # would have stopped)
+    result = None
+    if act and drain_ok and check_mode and assessment is not None:
+        result = assessment
+    elif act and drain_ok:
+        result = run_reset(open_backend, params, check_mode=check_mode, systemd=systemd, warn=warn_once)
+    changed = changed or bool(result and result["changed"])
+    reset_ok = bool(result and result["ok"])
+
+    # 5. restore
+    restored = []
+    if drain is not None and drain["restore_services"] and not check_mode and not was_drained and reset_ok \
+            and "drain" in state:
+        for unit in (state["drain"].get("services_stopped") or []):
+            if systemd is None or not systemd.booted():
+                break
+            rc, out, err = systemd.start(unit, timeout=params.get("unit_timeout"))
+            if rc == 0:
+                restored.append(unit)
+            else:
+                warn_once("could not start %s again after the reset (rc=%s): %s" % (unit, rc, (err or out or "").strip()[:300]))
+        left = [u for u in (state["drain"].get("services_stopped") or []) if u not in restored]
+        state = dict(state)
+        if left:
+            state["drain"] = dict(state["drain"], services_stopped=left)
+        else:
+            state.pop("drain")
+        if state_file:
+            write_state_file(state_file, state)
+        changed = True
+
+    # 6. mark
+    mark = had_mark
+    if act:
+        mark = bool(result and result.get("needs_power_cycle")) or (had_mark and not reset_ok)
+    if mark_state and state_file and not check_mode and mark != had_mark:
+        state = dict(state)
+        if mark:
+            state["reset"] = {"needs_power_cycle": True, "since": now_iso(),
+                              "verdict": result.get("verdict", "failed") if result else "drain_blocked"}
+        else:
+            state.pop("reset", None)
+        write_state_file(state_file, state)
+        changed = True
+
+    base = result or assessment  # without a drain, act is true and the reset ran
+    out = dict(base)
+    out["changed"] = changed
+    out["drain"] = drain_result
+    out["host_state"] = state
+    out["report"] = host_report(act, drain_result, drain_ok, result, base, check_mode, was_drained, state,
+                                restored, mark, round(clock() - t0, 3))
+    return out
+
+
+def host_outcome(act, drain_ok, result, check_mode):
+    if not act:
+        return "healthy"
+    if not drain_ok:
+        return "drain_blocked"
+    if check_mode:
+        return "planned"
+    if result["verdict"] == "healthy":
+        return "reset" if result["changed"] else "healthy"
+    return result["verdict"]
+
+
+def host_report(act, drain_result, drain_ok, result, base, check_mode, was_drained, state, restored, mark, host_s):
+    """The host's row of the fleet summary (the ``gpu_reset`` role's ``gpu_reset_report``, less ``host``)."""
+    outcome = host_outcome(act, drain_ok, result, check_mode)
+    drained_now = bool(drain_result and drain_result["changed"])
+    rows = []
+    for g in base["gpus"]:
+        if not drain_ok:
+            action, verdict = "drain", "drain_blocked"
+        else:
+            action = "drain+reset" if g["action"] == "reset" and drained_now else g["action"]
+            verdict = g["verdict"]
+        rows.append({"gpu": g["index"], "uuid": g["uuid"], "action": action, "verdict": verdict,
+                     "reasons": g.get("reasons", []), "reset_s": g.get("reset_s")})
+    return {
+        "outcome": outcome,
+        "ok": outcome in OK_OUTCOMES,
+        "was_drained": was_drained,
+        "services_stopped": list((state.get("drain") or {}).get("services_stopped") or []),
+        "services_restored": restored,
+        "daemons": (result or {}).get("daemons", []),
+        "needs_power_cycle": mark,
+        "drain_s": drain_result["elapsed_s"] if drain_result else None,
+        "reset_s": result["elapsed_s"] if result else None,
+        "host_s": host_s,
+        "explanation": explain(drain_result, drain_ok, base["gpus"]),
+        "gpus": rows,
+    }
