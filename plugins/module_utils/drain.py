@@ -25,7 +25,7 @@ verdict is ``ready``, ``needs_reboot`` (a holder that survives SIGKILL is in D s
 ``blocked`` (``blocked_by`` says by whom and why).
 
 Injected collaborators keep this testable: ``backend`` (:mod:`.gpu_backend`), ``systemd``
-(:class:`Systemd`, built on a ``run(argv) -> (rc, out, err)`` callable), ``proc_root``,
+(:class:`.systemd.Systemd`, built on a ``run(argv) -> (rc, out, err)`` callable), ``proc_root``,
 ``clock`` and ``sleep``.
 """
 
@@ -39,6 +39,7 @@ import time
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import holders as H
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import pid_safety as S
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import resolve_gpu_spec
 
 DEFAULTS = {
     "gpus": ["all"],
@@ -64,71 +65,16 @@ class DrainError(Exception):
     """Bad parameters or an unusable host: raised before anything is signalled."""
 
 
-class Systemd(object):
-    """Thin systemctl wrapper over an injected ``run(argv) -> (rc, out, err)``."""
-
-    def __init__(self, run, booted=None):
-        self.run = run
-        self._booted = booted
-
-    def booted(self):
-        if self._booted is None:
-            self._booted = os.path.isdir("/run/systemd/system")
-        return self._booted
-
-    def load_state(self, unit):
-        rc, out, err = self.run(["systemctl", "show", "--property=LoadState,ActiveState,ControlGroup", "--", unit])
-        props = {}
-        for line in (out or "").splitlines():
-            k, dummy, v = line.partition("=")
-            props[k.strip()] = v.strip()
-        return rc, props
-
-    def _unit_action(self, verb, unit, timeout=None):
-        """``systemctl <verb> -- unit``, bounded by coreutils' timeout when one is given."""
-        argv = ["systemctl", verb, "--", unit]
-        if timeout:
-            for d in ("/usr/bin", "/bin"):
-                if os.path.exists(os.path.join(d, "timeout")):
-                    argv = [os.path.join(d, "timeout"), "--kill-after=5", "%g" % float(timeout)] + argv
-                    break
-        return self.run(argv)
-
-    def stop(self, unit, timeout=None):
-        return self._unit_action("stop", unit, timeout)
-
-    def start(self, unit, timeout=None):
-        return self._unit_action("start", unit, timeout)
-
-
 def _now_iso():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def resolve_gpus(spec, gpus):
-    """Map ``spec`` (``all``, indices, UUIDs; ints or strings) to sorted GPU indices."""
-    by_index = dict((g["index"], g) for g in gpus)
-    by_uuid = dict((str(g["uuid"]).lower(), g["index"]) for g in gpus if g.get("uuid"))
-    out = set()
-    for item in spec or ["all"]:
-        s = str(item).strip()
-        if s.lower() == "all":
-            out.update(by_index)
-            continue
-        if s.isdigit():
-            if int(s) not in by_index:
-                raise DrainError("unknown GPU index %s (this host has %s)" % (s, sorted(by_index) or "no GPUs"))
-            out.add(int(s))
-            continue
-        key = s.lower()
-        if key in by_uuid:
-            out.add(by_uuid[key])
-            continue
-        if "gpu-" + key in by_uuid:
-            out.add(by_uuid["gpu-" + key])
-            continue
-        raise DrainError("unknown GPU %r: not an index or UUID of this host" % s)
-    return sorted(out)
+    """Map ``spec`` (``all``, indices, UUIDs; ints or strings) to sorted GPU indices; DrainError when unknown."""
+    try:
+        return resolve_gpu_spec(spec, gpus)
+    except ValueError as e:
+        raise DrainError(str(e))
 
 
 def validate_params(p):

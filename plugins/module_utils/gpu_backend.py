@@ -189,3 +189,31 @@ def open_backend_for_module(module):
         module.fail_json(msg="no usable GPU backend: %s" % e)
     except BackendError as e:
         module.fail_json(msg="GPU backend error: %s" % e)
+
+
+def resolve_gpu_spec(spec, gpus):
+    """Map ``spec`` (``all``, indices, UUIDs; ints or strings) to sorted GPU indices; ValueError when unknown.
+
+    Shared by gpu_drain and gpu_reset (here, so that gpu_reset does not load the drain logic for it)."""
+    by_index = dict((g["index"], g) for g in gpus)
+    by_uuid = dict((str(g["uuid"]).lower(), g["index"]) for g in gpus if g.get("uuid"))
+    out = set()
+    for item in spec or ["all"]:
+        s = str(item).strip()
+        if s.lower() == "all":
+            out.update(by_index)
+            continue
+        if s.isdigit():
+            if int(s) not in by_index:
+                raise ValueError("unknown GPU index %s (this host has %s)" % (s, sorted(by_index) or "no GPUs"))
+            out.add(int(s))
+            continue
+        key = s.lower()
+        if key in by_uuid:
+            out.add(by_uuid[key])
+            continue
+        if "gpu-" + key in by_uuid:
+            out.add(by_uuid["gpu-" + key])
+            continue
+        raise ValueError("unknown GPU %r: not an index or UUID of this host" % s)
+    return sorted(out)

@@ -72,6 +72,7 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils import pid_safety a
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import (
     BackendError,
     BackendUnsupported,
+    resolve_gpu_spec,
 )
 
 ARCH_NAMES = {2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere",
@@ -685,10 +686,9 @@ def _validate(p):
 
 
 def _resolve(spec, gpus):
-    from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import DrainError, resolve_gpus
     try:
-        return resolve_gpus(spec, gpus)
-    except DrainError as e:
+        return resolve_gpu_spec(spec, gpus)
+    except ValueError as e:
         raise ResetError(str(e))
 
 
@@ -1157,7 +1157,7 @@ def read_state_file(path):
 
 
 def make_systemd(run, booted=None):
-    """A :class:`.drain.Systemd` (it can also start units, for restoring daemons)."""
-    from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import Systemd
+    """A :class:`.systemd.Systemd` (it can also start units, for restoring daemons)."""
+    from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import Systemd
 
     return Systemd(run, booted=booted)

@@ -179,7 +179,8 @@ def reset_host(open_backend, params, drain=None, state_file=None, mark_state=Fal
     reset_set = [str(i) for i in assessment["plan"]["reset_set"]] if assessment else []
     if act and drain is not None and reset_set and (drain["services"] or compute_holders_on_groups(assessment)):
         stopped = active_services(systemd, drain["services"], warn_once)
-        from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import run_drain  # only a drain pays its import
+        # only a drain pays for compiling the drain logic (AnsiballZ caches no byte code)
+        from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import DrainError, run_drain
 
         backend = open_backend()
         try:
@@ -189,6 +190,8 @@ def reset_host(open_backend, params, drain=None, state_file=None, mark_state=Fal
                                                "grace_period": drain["grace_period"],
                                                "kill_timeout": drain["kill_timeout"]},
                                      check_mode=check_mode, systemd=systemd, warn=warn_once)
+        except DrainError as e:  # raised before anything is signalled
+            raise ResetError("drain: %s" % e)
         finally:
             backend.close()
         changed = changed or drain_result["changed"]

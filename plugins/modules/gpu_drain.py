@@ -319,11 +319,8 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import 
     backend_argument_spec,
     open_backend_for_module,
 )
-from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import (  # noqa: E402
-    DrainError,
-    Systemd,
-    run_drain,
-)
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import DrainError, run_drain  # noqa: E402
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import Systemd  # noqa: E402
 
 
 def _render_diff(d):

@@ -457,7 +457,6 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import ( 
     ResetError,
     make_systemd,
 )
-from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import DrainError  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.host_reset import reset_host  # noqa: E402
 
 
@@ -507,7 +506,7 @@ def main():
         result = reset_host(open_backend, params, drain=p["drain"], state_file=p["state_file"],
                             mark_state=p["mark_state"], check_mode=module.check_mode, systemd=make_systemd(run),
                             warn=module.warn)
-    except (ResetError, DrainError) as e:
+    except ResetError as e:
         module.fail_json(msg=str(e), changed=False)
     except BackendUnavailable as e:
         if e.missing_lib:

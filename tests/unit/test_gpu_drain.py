@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_fakes import BASE, HOSTWIDE, FakeBackend, FakeClock, FakeProc, FakeSignaller, gpu_fd  # noqa: E402
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import drain as D  # noqa: E402
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import Systemd  # noqa: E402
 
 TERM, KILL = int(signal.SIGTERM), int(signal.SIGKILL)
 
@@ -285,7 +286,7 @@ def test_units_require_systemd(tmp_path):
     h = Host(tmp_path)
     h.holder(BASE + 1, [0])
 
-    class NoSystemd(D.Systemd):
+    class NoSystemd(Systemd):
         def booted(self):
             return False
     with pytest.raises(D.DrainError, match="systemd is not running"):
@@ -302,7 +303,7 @@ def test_unknown_unit_fails_before_signals(tmp_path):
         calls.append(argv)
         return 0, "LoadState=not-found\nActiveState=inactive\n", ""
     with pytest.raises(D.DrainError, match="unknown systemd unit vllm.service"):
-        h.run({"units": ["vllm"], "all_holders": True}, systemd=D.Systemd(run, booted=True))
+        h.run({"units": ["vllm"], "all_holders": True}, systemd=Systemd(run, booted=True))
     assert all(a[1] == "show" for a in calls)
     assert h.fp.alive(BASE + 1)
 
@@ -321,7 +322,7 @@ def test_unit_stopped_then_leftovers_signalled(tmp_path):
             return 0, "LoadState=loaded\nActiveState=active\n", ""
         h.fp.remove(BASE + 1)
         return 0, "", ""
-    res, sig, dummy = h.run({"units": ["vllm-x"], "release_timeout": 0.5}, systemd=D.Systemd(run, booted=True))
+    res, sig, dummy = h.run({"units": ["vllm-x"], "release_timeout": 0.5}, systemd=Systemd(run, booted=True))
     assert any("stop" in a for a in calls)
     assert [c[1] for c in sig.calls] == [BASE + 2]
     assert h.fp.alive(BASE + 3)

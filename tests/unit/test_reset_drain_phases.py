@@ -20,6 +20,7 @@ from test_gpu_reset import FakeSystemd, Opener, ResetBackend, probe_for  # noqa:
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import drain as D  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import gpu_reset as R  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import BackendError  # noqa: E402
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import Systemd  # noqa: E402
 
 TERM, KILL = int(signal.SIGTERM), int(signal.SIGKILL)
 VLLM_UNIT = "0::/system.slice/vllm-x.service"
@@ -38,7 +39,7 @@ def unit_systemd(h, stop_rc=0):
             return stop_rc, "", "Job failed"
         h.fp.remove(BASE + 1)
         return 0, "", ""
-    return D.Systemd(run, booted=True), calls
+    return Systemd(run, booted=True), calls
 
 
 def drain_run(h, params, sig=None, systemd=None, warnings=None):
@@ -91,7 +92,7 @@ def test_drain_look_resolves_the_targets_and_the_units_processes(tmp_path):
 def test_drain_look_refuses_units_without_systemd(tmp_path):
     h = Host(tmp_path)
     with pytest.raises(D.DrainError, match="systemd is not running"):
-        drain_looked(h, {"units": ["vllm-x"]}, systemd=D.Systemd(lambda argv: (0, "", ""), booted=False))
+        drain_looked(h, {"units": ["vllm-x"]}, systemd=Systemd(lambda argv: (0, "", ""), booted=False))
 
 
 def test_drain_decide_selects_the_holders_and_allows_for_protected_memory(tmp_path):
