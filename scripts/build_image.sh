@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# Build the systemd-capable Debian bookworm image the molecule scenarios run on, locally,
-# with debootstrap (no image registry is reachable) and `docker import`.
+# Build the systemd-capable Debian image the molecule scenarios run on (bookworm, or trixie for
+# Debian 13 hosts and the controller of scripts/controller_next.sh), locally, with debootstrap
+# (no image registry is reachable) and `docker import`.
 #
-#   scripts/build_image.sh            build when missing, else reuse (prints the image tag)
-#   scripts/build_image.sh --force    rebuild the root file system and re-import
-#   scripts/build_image.sh --print-tag
+#   scripts/build_image.sh [SUITE]             build when missing, else reuse (prints the image tag)
+#   scripts/build_image.sh --force [SUITE]     rebuild the root file system and re-import
+#   scripts/build_image.sh --print-tag [SUITE]
 #
-# Cache, two levels:
-#   - docker image gpuflow/debian-systemd:bookworm-<hash>, <hash> = sha256 of this script less
-#     its comment lines (it holds the package list and the root set-up), plus the stable tag
-#     gpuflow/debian-systemd:bookworm that the scenarios use;
-#   - the root tarball .cache/images/debian-systemd-bookworm-<hash>.tar.gz in the checkout, so a
+# SUITE: bookworm (the default) or trixie; GPUFLOW_DEBIAN_SUITE sets it too (the argument wins).
+# Cache, two levels, one set per suite:
+#   - docker image gpuflow/debian-systemd:<suite>-<hash>, <hash> = sha256 of this script less
+#     its comment lines (it holds the package lists and the root set-up) and of the suite's name,
+#     plus the stable tag gpuflow/debian-systemd:<suite> that the scenarios use;
+#   - the root tarball .cache/images/debian-systemd-<suite>-<hash>.tar.gz in the checkout, so a
 #     fresh docker daemon re-imports it in seconds instead of running debootstrap again.
 # The Debian mirror is read from this machine's own apt sources at run time
 # (GPUFLOW_DEBIAN_MIRROR overrides it); no mirror host name is written into the repository.
 # Needs root and a running engine (scripts/dockerd.sh). docker 20.10 `import` takes no
 # STOPSIGNAL change: scenarios set stop_signal themselves.
+# trixie's systemd 257 boots under the same flags as bookworm's 252 on these hosts (cgroup v1
+# hierarchies plus cgroup2 at /sys/fs/cgroup/unified), marked tainted "cgroupsv1".
 set -euo pipefail
 
-SUITE=bookworm
 REPO_NAME=gpuflow/debian-systemd
 # Depends only: debootstrap does not install Recommends.
 PACKAGES=(
@@ -30,24 +33,34 @@ PACKAGES=(
   less vim-tiny                                # someone debugging inside a container
 )
 
+FORCE=0 PRINT_TAG=0 SUITE=${GPUFLOW_DEBIAN_SUITE:-bookworm}
+for arg in "$@"; do
+  case "$arg" in
+    --force) FORCE=1 ;;
+    --print-tag) PRINT_TAG=1 ;;
+    bookworm|trixie) SUITE=$arg ;;
+    *) echo "usage: $0 [--force|--print-tag] [bookworm|trixie]" >&2; exit 2 ;;
+  esac
+done
+case "$SUITE" in
+  bookworm) ;;
+  # git: scripts/controller_next.sh runs its controller (ansible-test sanity) in this image
+  trixie) PACKAGES+=(git) ;;
+  *) echo "build_image.sh: unknown suite '$SUITE' (bookworm or trixie)" >&2; exit 2 ;;
+esac
+
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT_DIR=$(cd "$HERE/.." && pwd)
 CACHE_DIR=${GPUFLOW_IMAGE_CACHE:-$ROOT_DIR/.cache/images}
 # comment-only edits do not change the image, so full-line comments stay out of the hash
-HASH=$(grep -Ev '^[[:space:]]*#' "${BASH_SOURCE[0]}" | sha256sum | cut -c1-12)
+HASH=$({ grep -Ev '^[[:space:]]*#' "${BASH_SOURCE[0]}"; echo "suite=$SUITE"; } | sha256sum | cut -c1-12)
 TAG="$REPO_NAME:$SUITE-$HASH"
 STABLE="$REPO_NAME:$SUITE"
 TARBALL="$CACHE_DIR/debian-systemd-$SUITE-$HASH.tar.gz"
 
 say() { printf '[build_image.sh] %s\n' "$*" >&2; }
 
-FORCE=0
-case "${1:-}" in
-  --force) FORCE=1 ;;
-  --print-tag) echo "$TAG"; exit 0 ;;
-  "") ;;
-  *) echo "usage: $0 [--force|--print-tag]" >&2; exit 2 ;;
-esac
+if [ $PRINT_TAG -eq 1 ]; then echo "$TAG"; exit 0; fi
 
 # First "deb" URI of a stanza/line that serves <suite> main (deb822 .sources first, then
 # one-line sources.list files); falls back to any non-security Debian URI.

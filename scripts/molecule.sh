@@ -5,8 +5,10 @@
 #   scripts/molecule.sh default fleet   just these, in this order
 #   MOLECULE_ACTION=converge scripts/molecule.sh default   any other molecule command
 #
-# Ensures first: a Docker engine (scripts/dockerd.sh), the image (scripts/build_image.sh),
-# the collection link .cache/collections/ansible_collections/gpuflow/eagle3 -> repo root.
+# Ensures first: a Docker engine (scripts/dockerd.sh), the images (scripts/build_image.sh:
+# bookworm always, and each other suite a scenario's molecule.yml names as
+# gpuflow/debian-systemd:<suite>), the collection link
+# .cache/collections/ansible_collections/gpuflow/eagle3 -> repo root.
 # Runs each scenario even when an earlier one failed; exits non-zero if any failed; prints
 # per-scenario wall time. Uses the venv at .venv (override: GPUFLOW_VENV). Holds a lock
 # (/tmp/gpuflow-molecule.lock) so that two runs on one machine take turns.
@@ -55,9 +57,14 @@ fi
 t0=$(date +%s)
 "$HERE/dockerd.sh" start || { say "docker engine unavailable"; exit 1; }
 t1=$(date +%s)
-"$HERE/build_image.sh" >/dev/null || { say "image build failed"; exit 1; }
+# bookworm, plus every other suite the scenarios run on (e.g. trixie in default)
+suites=$( { echo bookworm; for s in "${scenarios[@]}"; do
+  grep -Eho 'gpuflow/debian-systemd:[a-z]+' "molecule/$s/molecule.yml" | cut -d: -f2; done; } | sort -u)
+for suite in $suites; do
+  "$HERE/build_image.sh" "$suite" >/dev/null || { say "image build failed ($suite)"; exit 1; }
+done
 t2=$(date +%s)
-say "engine ready in $(fmt $((t1 - t0))), image ready in $(fmt $((t2 - t1)))"
+say "engine ready in $(fmt $((t1 - t0))), images (${suites//$'\n'/ }) ready in $(fmt $((t2 - t1)))"
 
 link=.cache/collections/ansible_collections/gpuflow/eagle3
 if [ "$(readlink "$link" 2>/dev/null)" != "../../../.." ]; then
@@ -83,7 +90,7 @@ for s in "${scenarios[@]}"; do
   say "=== $s: $status in $took ==="
 done
 
-say "summary (molecule $ACTION; engine $(fmt $((t1 - t0))), image $(fmt $((t2 - t1))), total $(fmt $(($(date +%s) - t0)))):"
+say "summary (molecule $ACTION; engine $(fmt $((t1 - t0))), images $(fmt $((t2 - t1))), total $(fmt $(($(date +%s) - t0)))):"
 for line in "${report[@]}"; do
   IFS='|' read -r name status took <<<"$line"
   printf '  %-24s %-18s %s\n' "$name" "$status" "$took" >&2

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run test phases in order, time each, print a summary; exit non-zero if any phase failed.
-# Phases: unit mutation lint sanity package integration molecule; molecule-hosts and molecule-vllm
+# Phases: unit mutation lint sanity package integration molecule controller-next; molecule-hosts and molecule-vllm
 # split molecule in two: the scenarios without a vLLM server (default, gpu_fleet, pipeline_transfer)
 # and those with one (pipeline, vllm_server, which reuse the venvs the integration phase builds).
+# controller-next: the newest ansible-core on Python 3.13 in a trixie container (unit, sanity,
+# molecule default; scripts/controller_next.sh), its molecule part taking turns with the others.
 # A group a+b+c runs its phases at once: a in the foreground, the others in the background with
 # their output kept in .cache/test-logs/<phase>.log and printed once the group has ended (the light
 # phases beside the long integration phase, where a second core is mostly idle).
@@ -22,17 +24,25 @@ run_phase() {
         molecule)    scripts/molecule.sh ;;
         molecule-hosts) scripts/molecule.sh default gpu_fleet pipeline_transfer ;;
         molecule-vllm)  scripts/molecule.sh pipeline vllm_server ;;
+        controller-next) scripts/controller_next.sh ;;
     esac
 }
 
 for group in "$@"; do
     for phase in ${group//+/ }; do
         case "$phase" in
-            unit|mutation|lint|sanity|package|integration|molecule|molecule-hosts|molecule-vllm) ;;
+            unit|mutation|lint|sanity|package|integration|molecule|molecule-hosts|molecule-vllm|controller-next) ;;
             *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
         esac
     done
 done
+
+# Nothing is left running: a Docker engine this run starts (scripts/dockerd.sh, for molecule) is stopped
+# at the end, one that was already running is left alone; then tests/leftovers.py fails the run when a
+# process it started (a server, a holder, a container) is still there.
+run_start=$(date +%s)
+engine_before=0
+timeout 10 docker info > /dev/null 2>&1 && engine_before=1
 
 LOGS="$ROOT/.cache/test-logs"
 summary=()
@@ -64,6 +74,10 @@ for group in "$@"; do
         summary+=("$(printf '%-12s %-7s %5ds' "$phase" "$verdict" "$seconds")")
     done
 done
+echo "=== phase: leftovers ==="
+[[ $engine_before == 1 ]] || scripts/dockerd.sh stop
+if python tests/leftovers.py --since "$run_start" --root "$ROOT"; then verdict=ok; else verdict=FAILED; failed=1; fi
+summary+=("$(printf '%-12s %-7s %5ds' leftovers "$verdict" 0)")
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"
 printf '%-12s %-7s %5ds\n' total "$([[ $failed == 0 ]] && echo ok || echo FAILED)" $((SECONDS - start_all))

@@ -6,6 +6,8 @@ HTTP_PORT = 8080
 IDENT_PORT = 7070
 USER = "gpuflow"
 SERVED = "/srv/gpuflow"
+# molecule.yml: gpu-node-3 runs the trixie image (Debian 13, Python 3.13), the others bookworm
+DEBIAN_RELEASE = {"gpu-node-1": "12", "gpu-node-2": "12", "gpu-node-3": "13"}
 
 
 @pytest.fixture(scope="module")
@@ -13,6 +15,12 @@ def peers(host):
     variables = host.ansible.get_variables()
     me = variables["inventory_hostname"]
     return [name for name in variables["groups"]["gpu_nodes"] if name != me]
+
+
+def test_debian_release(host):
+    name = host.ansible.get_variables()["inventory_hostname"]
+    release = host.file("/etc/debian_version").content_string.strip()
+    assert release.split(".")[0] == DEBIAN_RELEASE[name], release
 
 
 def test_pid1_is_systemd(host):
