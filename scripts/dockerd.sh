@@ -67,6 +67,15 @@ start() {
     return 0
   fi
   need_root
+  # one start at a time: two callers at once (test phases side by side) would each start a daemon,
+  # and the pidfile would name the one that lost
+  mkdir -p "$(dirname "$PIDFILE")"
+  exec 8>>"$PIDFILE.lock"
+  flock 8
+  if answers; then
+    say "docker engine already answers (started by another caller); leaving it alone"
+    return 0
+  fi
   install_engine
   if pid=$(our_pid); then
     say "dockerd (pid $pid) started earlier is not answering yet; waiting for it"
