@@ -311,12 +311,15 @@ def test_online_run_killed_during_training_resumes_evaluates_and_reports(first_r
         manifest = json.load(f)
     assert manifest["status"] == "complete" and manifest["epochs_completed"] == EPOCHS
     hs = manifest["hidden_states"]
-    # the hidden-states path held at most the one file in flight; the offline run's files are the yardstick
-    largest = max(os.path.getsize(p) for p in glob.glob(os.path.join(HIDDEN, "hs", "hs_*.safetensors")))
+    # the hidden-states path held at most the file in flight and, across the kill, the one the killed run had
+    # fetched and not consumed (removed before the rerun trains); the offline run's files are the yardstick
+    offline = [os.path.getsize(p) for p in glob.glob(os.path.join(HIDDEN, "hs", "hs_*.safetensors"))]
+    largest = max(offline)
     print("online hidden states: high-water mark %d bytes (%d file), largest offline file %d bytes; %d requests,"
           " %d prompt tokens served to training"
           % (hs["peak_bytes"], hs["peak_files"], largest, hs["requests_served"], hs["prompt_tokens_served"]))
-    assert hs["mode"] == "online" and hs["peak_files"] == 1 and 0 < hs["peak_bytes"] <= largest + 4096
+    assert hs["mode"] == "online" and hs["peak_files"] <= 2 and 0 < hs["peak_bytes"] <= 2 * (largest + 4096)
+    assert hs["peak_bytes"] * 10 < sum(offline)
     with open(os.path.join(online_hs, "MANIFEST.json")) as f:
         extracted = json.load(f)
     assert extracted["mode"] == "online" and extracted["status"] == "released" and extracted["bytes"] == 0
