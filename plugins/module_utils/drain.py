@@ -40,6 +40,7 @@ import time
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import holders as H
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import pid_safety as S
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import resolve_gpu_spec
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name, unit_name
 
 DEFAULTS = {
     "gpus": ["all"],
@@ -101,13 +102,9 @@ def validate_params(p):
         except re.error as e:
             raise DrainError("malformed protected pattern %r: %s" % (pat, e))
     for u in p["units"] or []:
-        if not u or "/" in u or u.startswith("-") or any(c.isspace() for c in u):
+        if malformed_unit_name(u):
             raise DrainError("malformed unit name %r" % (u,))
     return rx
-
-
-def _unit_name(u):
-    return u if "." in u else u + ".service"
 
 
 def unit_members(units, proc_root="/proc"):
@@ -173,7 +170,7 @@ def build_plan(disc, targets, p, rx, unit_procs, table, own):
     by_selector = not (p["units"] or explicit or rx is not None)
     all_mode = p["all_holders"] or by_selector
     drain_mgmt = p["management_clients"] == "drain"
-    units = [_unit_name(u) for u in p["units"] or []]
+    units = [unit_name(u) for u in p["units"] or []]
 
     desc_of_explicit = S.descendants(sorted(explicit), table) if explicit else set()
     owners = _pattern_owners(on_target, rx, table, own, drain_mgmt, disc.get("proc_root", "/proc")) if rx else {}
@@ -428,7 +425,7 @@ def drain_look(d, own=None):
         raise DrainError("no GPU found by the %s backend" % d.backend.name)
     d.targets = resolve_gpus(d.p["gpus"], d.gpus)
 
-    units = [_unit_name(u) for u in d.p["units"]]
+    units = [unit_name(u) for u in d.p["units"]]
     if units:
         if d.systemd is None or not d.systemd.booted():
             raise DrainError("units %s given, but systemd is not running on this host" % units)

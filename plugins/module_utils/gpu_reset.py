@@ -74,6 +74,7 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import 
     BackendUnsupported,
     resolve_gpu_spec,
 )
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name
 
 ARCH_NAMES = {2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere",
               8: "ada", 9: "hopper", 10: "blackwell"}
@@ -673,7 +674,7 @@ def _validate(p):
     if p["nvlink_peers"] not in ("expand", "fail"):
         raise ResetError("nvlink_peers must be expand or fail")
     for u in p["daemons"] or []:
-        if not u or "/" in u or u.startswith("-") or any(c.isspace() for c in u):
+        if malformed_unit_name(u):
             raise ResetError("malformed unit name %r in daemons" % (u,))
     import re
     for pat in p["protected"] or []:

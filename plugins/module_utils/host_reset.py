@@ -38,6 +38,7 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import (
     read_state_file,
     run_reset,
 )
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name, unit_name
 
 DRAIN_DEFAULTS = {"services": [], "grace_period": 15.0, "kill_timeout": 10.0, "restore_services": True}
 OK_OUTCOMES = ("healthy", "reset", "planned")
@@ -67,9 +68,9 @@ def write_state_file(path, state):
 def validate_drain(drain, daemons):
     """Bad drain options raise :class:`.gpu_reset.ResetError` before anything is looked at or changed."""
     for name in drain["services"]:
-        if not name or "/" in name or name.startswith("-") or any(c.isspace() for c in name):
+        if malformed_unit_name(name):
             raise ResetError("malformed unit name %r in drain.services" % (name,))
-    units = set(n if "." in n else n + ".service" for n in drain["services"])
+    units = set(unit_name(n) for n in drain["services"])
     both = sorted(units & set(daemons))
     if both:
         # daemons are restored on every host, drained services only on healthy ones: one unit cannot be both
@@ -88,7 +89,7 @@ def active_services(systemd, services, warn):
         return []
     active = []
     for name in services:
-        unit = name if "." in name else name + ".service"
+        unit = unit_name(name)
         rc, props = systemd.load_state(unit)
         if rc == 0 and props.get("ActiveState") in ("active", "activating", "reloading"):
             active.append(unit)

@@ -12,6 +12,16 @@ from __future__ import annotations
 import os
 
 
+def malformed_unit_name(name):
+    """True for a name systemctl could read as an option or a path (or that is empty or holds blanks)."""
+    return not name or "/" in name or name.startswith("-") or any(c.isspace() for c in name)
+
+
+def unit_name(name):
+    """The full unit name: a bare name is a service."""
+    return name if "." in name else name + ".service"
+
+
 class Systemd(object):
     """Thin systemctl wrapper over an injected ``run(argv) -> (rc, out, err)``."""
 
