@@ -4,7 +4,7 @@ VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: system-deps bootstrap pipeline test quick unit mutation lint sanity integration package molecule controller-next clean
+.PHONY: system-deps bootstrap pipeline test quick unit venvs mutation lint sanity integration package molecule controller-next clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -15,12 +15,12 @@ pipeline: bootstrap
 	ansible-playbook playbooks/pipeline.yml -e gpuflow_cache_dir=$(CURDIR)/.cache
 
 test: bootstrap system-deps
-	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh unit integration+mutation+lint+sanity+package+molecule-hosts+controller-next molecule-vllm
+	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh venvs+unit+package+lint integration+mutation+sanity+molecule-hosts+controller-next+molecule-vllm
 
 quick: bootstrap
 	scripts/test.sh unit lint integration
 
-unit mutation lint sanity package integration molecule controller-next: bootstrap
+unit venvs mutation lint sanity package integration molecule controller-next: bootstrap
 	scripts/test.sh $@
 
 clean:

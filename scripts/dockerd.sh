@@ -9,12 +9,16 @@
 # Idempotent: a running engine (ours or anyone's) is left alone.
 # Environment: GPUFLOW_DOCKERD_LOG (default /var/log/gpuflow-dockerd.log),
 #              GPUFLOW_DOCKERD_PIDFILE (default /run/gpuflow/dockerd.pid),
-#              GPUFLOW_DOCKERD_TIMEOUT seconds to wait for the engine (default 90).
+#              GPUFLOW_DOCKERD_TIMEOUT seconds to wait for the engine (default 90),
+#              GPUFLOW_DOCKERD_NICE the niceness of a dockerd this script starts, which its containers
+#              inherit (default 0).
 set -euo pipefail
 
 LOG=${GPUFLOW_DOCKERD_LOG:-/var/log/gpuflow-dockerd.log}
 PIDFILE=${GPUFLOW_DOCKERD_PIDFILE:-/run/gpuflow/dockerd.pid}
 TIMEOUT=${GPUFLOW_DOCKERD_TIMEOUT:-90}
+NICE=${GPUFLOW_DOCKERD_NICE:-0}
+[[ $NICE =~ ^-?[0-9]+$ ]] || { printf '[dockerd.sh] GPUFLOW_DOCKERD_NICE must be an integer, not %q\n' "$NICE" >&2; exit 2; }
 
 say() { printf '[dockerd.sh] %s\n' "$*" >&2; }
 
@@ -85,7 +89,7 @@ start() {
       rm -f /var/run/docker.pid
     fi
     mkdir -p "$(dirname "$PIDFILE")" "$(dirname "$LOG")"
-    say "starting dockerd, log: $LOG"
+    say "starting dockerd (nice $NICE), log: $LOG"
     # setsid: own session, so it survives the calling shell and its job control; close
     # inherited descriptors (a caller's flock, a CI pipe) so the daemon does not hold them
     (
@@ -93,7 +97,7 @@ start() {
         fd=${fd##*/}
         [ "$fd" -gt 2 ] 2>/dev/null && eval "exec $fd>&-" 2>/dev/null
       done
-      exec setsid dockerd >>"$LOG" 2>&1 </dev/null
+      exec setsid nice -n "$NICE" dockerd >>"$LOG" 2>&1 </dev/null
     ) &
     echo $! >"$PIDFILE"
   fi

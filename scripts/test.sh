@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run test phases in order, time each, print a summary; exit non-zero if any phase failed.
-# Phases: unit mutation lint sanity package integration molecule controller-next; molecule-hosts and molecule-vllm
-# split molecule in two: the scenarios without a vLLM server (default, gpu_fleet, pipeline_transfer)
-# and those with one (pipeline, vllm_server, which reuse the venvs the integration phase builds).
-# controller-next: the newest ansible-core on Python 3.13 in a trixie container (unit, sanity,
-# molecule default; scripts/controller_next.sh), its molecule part taking turns with the others.
+# Phases: unit venvs mutation lint sanity package integration molecule controller-next; molecule-hosts and
+# molecule-vllm split molecule in two: the scenarios without a vLLM server (default, gpu_fleet, pipeline_transfer)
+# and those with one (pipeline, vllm_server, which mount the venvs that the venvs phase builds and the
+# integration tests share). controller-next: the newest ansible-core on Python 3.13 in a trixie container
+# (unit, sanity, molecule default; scripts/controller_next.sh), its molecule part taking turns with the others.
 # A group a+b+c runs its phases at once: a in the foreground, the others in the background with
 # their output kept in .cache/test-logs/<phase>.log and printed once the group has ended (the light
 # phases beside the long integration phase, where a second core is mostly idle).
@@ -16,6 +16,7 @@ export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_CONFIG="$ROOT/ansible.cfg" PYTHONUNB
 run_phase() {
     case "$1" in
         unit)        pytest -q tests/unit ;;
+        venvs)       python tests/integration/extract_env.py ;;
         mutation)    python tests/mutation_check.py ;;
         lint)        ansible-lint --profile production ;;
         sanity)      scripts/sanity.sh ;;
@@ -31,7 +32,7 @@ run_phase() {
 for group in "$@"; do
     for phase in ${group//+/ }; do
         case "$phase" in
-            unit|mutation|lint|sanity|package|integration|molecule|molecule-hosts|molecule-vllm|controller-next) ;;
+            unit|venvs|mutation|lint|sanity|package|integration|molecule|molecule-hosts|molecule-vllm|controller-next) ;;
             *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
         esac
     done
@@ -44,8 +45,9 @@ run_start=$(date +%s)
 engine_before=0
 timeout 10 docker info > /dev/null 2>&1 && engine_before=1
 # the phases that need the engine would otherwise start it side by side
+# and at nice 10, which the containers inherit: they run beside the integration phase and take the CPU it leaves
 if [[ $engine_before == 0 && " ${*//+/ } " =~ \ (molecule|molecule-hosts|molecule-vllm|controller-next)\  ]]; then
-    scripts/dockerd.sh start || exit 1
+    GPUFLOW_DOCKERD_NICE=10 scripts/dockerd.sh start || exit 1
 fi
 
 LOGS="$ROOT/.cache/test-logs"

