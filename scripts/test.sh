@@ -45,7 +45,7 @@ run_start=$(date +%s)
 engine_before=0
 timeout 10 docker info > /dev/null 2>&1 && engine_before=1
 # the phases that need the engine would otherwise start it side by side
-# and at nice 10, which the containers inherit: they run beside the integration phase and take the CPU it leaves
+# and at nice 10, which the containers inherit: those beside the integration phase take the CPU it leaves
 if [[ $engine_before == 0 && " ${*//+/ } " =~ \ (molecule|molecule-hosts|molecule-vllm|controller-next)\  ]]; then
     GPUFLOW_DOCKERD_NICE=10 scripts/dockerd.sh start || exit 1
 fi

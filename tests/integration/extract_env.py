@@ -4,7 +4,7 @@ variables for this host (no systemd: process runners).
 
 Reuses between runs (gitignored): the wheelhouses under .cache/wheelhouse and the venvs
 .cache/venvs/{vllm,speculators}. `python tests/integration/extract_env.py` builds those alone (make test's
-venvs phase, so that molecule's pipeline scenario, which mounts the venvs, can run beside the integration tests).
+venvs phase; molecule's pipeline scenario mounts the venvs).
 """
 import json
 import os

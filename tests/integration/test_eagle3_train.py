@@ -33,8 +33,10 @@ ROLE_PLAY = "- hosts: train\n  gather_facts: false\n  roles:\n    - gpuflow.eagl
 @pytest.fixture(scope="module")
 def env():
     info = extraction_setup(os.path.basename(ROOT), SAMPLES, TRUNCATED)
-    # auto: this disk holds the hidden states, so the extraction stays offline
+    # auto: this disk holds the hidden states, so the extraction stays offline; nothing here is killed part-way,
+    # so four requests at a time (batched by vLLM) rather than the one that the extraction tests need
     info["ev"]["hidden_state_extract_mode"] = "auto"
+    info["ev"]["hidden_state_extract_concurrency"] = 4
     info["extract_output"] = run_playbook(info["playbook"], info["ev"], info["root"], inventory=info["inv"])[1]
     with open(os.path.join(info["root"], "train.yml"), "w") as f:
         f.write(ROLE_PLAY)

@@ -167,9 +167,12 @@ def test_circuit_breaker_and_max_fail_percentage(fleet):
     r = playbook(inv, "gpu_reset.yml", "-e", "gpu_reset_summary_path=%s" % summary,
                  "-e", "gpu_reset_circuit_breaker_percentage=20")
     assert r.returncode != 0 and "Circuit breaker tripped" in r.stdout + r.stderr
+    assert "pre-flight failed: " in r.stdout + r.stderr and "(broken)" in r.stdout + r.stderr
     with open(summary) as f:
         s = json.load(f)
     assert s["stage"] == "breaker" and s["breaker"]["down"] == ["broken"]
+    assert [hosts for cause, hosts in s["breaker"]["causes"].items() if cause.startswith("pre-flight failed: ")] \
+        == [["broken"]], s["breaker"]["causes"]
     assert all(gpu(fleet.root, h)["reset"]["count"] == 0 for h in "abc")
     # breaker passes at 30%; batches of 2: a and b fail (100% > 49%), c is never touched
     r = playbook(inv, "gpu_reset.yml", "-e", "gpu_reset_summary_path=%s" % summary, "-e", "gpu_reset_serial=2",
@@ -180,6 +183,24 @@ def test_circuit_breaker_and_max_fail_percentage(fleet):
     out = dict((h["host"], h["outcome"]) for h in s["hosts"])
     assert out == {"a": "unsupported", "b": "unsupported", "c": "not_run", "broken": "preflight_failed"}, out
     assert gpu(fleet.root, "c")["reset"]["count"] == 0 and gpu(fleet.root, "c")["health"] == "unhealthy"
+
+
+def test_bad_drain_option_stops_the_fleet_at_the_breaker_naming_it_and_changes_nothing(fleet):
+    inv = fleet({h: ["--gpu", "0", "--health", "unhealthy"] for h in ("a", "b", "c")})
+    holder = fleet.hold("a", "--gpu", "0", "--mib", "1024")
+    summary = os.path.join(fleet.root, "summary.json")
+    r = playbook(inv, "gpu_reset.yml", "-e", "gpu_reset_summary_path=%s" % summary,
+                 "-e", '{"gpu_reset_drain_services": ["bad unit!"]}')
+    out = " ".join((r.stdout + r.stderr).split())   # the YAML callback folds long messages
+    assert r.returncode != 0 and "Circuit breaker tripped: 3 of 3" in out, out[-3000:]
+    assert "pre-flight failed: malformed unit name" in out and "in drain.services (a, b, c)" in out, out[-3000:]
+    with open(summary) as f:
+        s = json.load(f)
+    assert s["stage"] == "breaker" and s["breaker"]["causes"] == {
+        "pre-flight failed: malformed unit name 'bad unit!' in drain.services": ["a", "b", "c"]}
+    assert holder.poll() is None
+    assert all(gpu(fleet.root, h)["reset"]["count"] == 0 for h in "abc")
+    assert not any(os.path.exists(os.path.join(fleet.root, h, "state.json")) for h in "abc")
 
 
 def test_drain_playbook_marks_and_is_idempotent(fleet):
