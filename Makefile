@@ -15,7 +15,7 @@ pipeline: bootstrap
 	ansible-playbook playbooks/pipeline.yml -e gpuflow_cache_dir=$(CURDIR)/.cache
 
 test: bootstrap system-deps
-	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh venvs+unit+package+lint integration+mutation+sanity+molecule-hosts+controller-next molecule-vllm
+	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh venvs+unit+package+lint integration+mutation+sanity+molecule-hosts+controller-next+molecule-vllm
 
 quick: bootstrap
 	scripts/test.sh unit lint integration
