@@ -1,7 +1,7 @@
 """The safety rules, each removed in turn: the unit tests must fail every time.
 
-A rule is a piece of code in plugins/module_utils that keeps a drain or a reset from doing harm. For
-each one this script replaces that code, in a copy of the checkout (the checkout itself is never
+A rule is a piece of code that keeps a drain, a reset, a server's launcher or a transfer from doing
+harm. For each one this script replaces that code, in a copy of the checkout (the checkout itself is never
 touched), with a version that does not apply the rule, runs the unit tests there, and fails unless
 they failed. A test that still passes with a rule gone does not guard it.
 
@@ -9,8 +9,9 @@ they failed. A test that still passes with a rule gone does not guard it.
     .venv/bin/python tests/mutation_check.py --list
     .venv/bin/python tests/mutation_check.py own-tree-holder
 
-To add a rule: append a Mutation with the file, the exact text of the rule (it must occur once) and
-its replacement, then run this script to see the unit tests catch it.
+To add a rule: append a Mutation with the file (relative to the checkout), the exact text of the rule
+(it must occur once), its replacement and the unit tests that guard it, then run this script to see
+them catch it.
 """
 import argparse
 import collections
@@ -24,35 +25,45 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-Mutation = collections.namedtuple("Mutation", "name file rule without")
+# tests: a glob under the checkout, the unit tests that must fail without the rule
+Mutation = collections.namedtuple("Mutation", "name file rule without tests")
+GPU_TESTS = "tests/unit/test_gpu_*.py"
 
 MUTATIONS = [
-    Mutation("memory-check", "drain.py",
+    Mutation("memory-check", "plugins/module_utils/drain.py",
              '    if used > limit:\n        return False, "memory used',
-             '    if False:\n        return False, "memory used'),
-    Mutation("memory-held-blocker", "drain.py",
+             '    if False:\n        return False, "memory used',
+             GPU_TESTS),
+    Mutation("memory-held-blocker", "plugins/module_utils/drain.py",
              "        if i in d.pending and not blockers:\n",
-             "        if False:\n"),
-    Mutation("own-tree-holder", "drain.py",
+             "        if False:\n",
+             GPU_TESTS),
+    Mutation("own-tree-holder", "plugins/module_utils/drain.py",
              '        if cls == "self":\n            skipped.append(_brief(h, "own process tree"))\n            continue\n',
-             ""),
-    Mutation("own-tree-named-pid", "drain.py",
+             "",
+             GPU_TESTS),
+    Mutation("own-tree-named-pid", "plugins/module_utils/drain.py",
              '        if pid in own:\n            skipped.append({"pid": pid, "reason": "own process tree"})\n',
-             "        if False:\n            pass\n"),
-    Mutation("pid-identity", "pid_safety.py",
+             "        if False:\n            pass\n",
+             GPU_TESTS),
+    Mutation("pid-identity", "plugins/module_utils/pid_safety.py",
              "    if expected_create_time is None or abs(ct - expected_create_time) > 0.011:\n"
              '        return "PID %d changed identity',
              "    if False:\n"
-             '        return "PID %d changed identity'),
-    Mutation("protected-process", "holders.py",
+             '        return "PID %d changed identity',
+             GPU_TESTS),
+    Mutation("protected-process", "plugins/module_utils/holders.py",
              '    if pat:\n        return "protected", pat\n',
-             ""),
-    Mutation("restore-daemons-after-reset", "gpu_reset.py",
+             "",
+             GPU_TESTS),
+    Mutation("restore-daemons-after-reset", "plugins/module_utils/gpu_reset.py",
              "    for u in reversed(r.stopped):\n",
-             "    for u in []:\n"),
-    Mutation("reset-timeout-reported", "gpu_reset.py",
+             "    for u in []:\n",
+             GPU_TESTS),
+    Mutation("reset-timeout-reported", "plugins/module_utils/gpu_reset.py",
              '            text = ("timed out after %s s. " % r.p["reset_timeout"]) + text\n',
-             "            pass\n"),
+             "            pass\n",
+             GPU_TESTS),
 ]
 
 
@@ -68,16 +79,15 @@ def copy_of_checkout(dest):
     return dest
 
 
-def unit_tests(root):
-    """Exit status of the GPU unit tests (every rule lives in their module_utils) of the checkout at root,
-    stopping at the first failure."""
-    files = sorted(glob.glob(os.path.join(root, "tests", "unit", "test_gpu_*.py")))
+def unit_tests(root, pattern):
+    """Exit status of the unit tests matching pattern in the checkout at root, stopping at the first failure."""
+    files = sorted(glob.glob(os.path.join(root, pattern)))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + files,
                           cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
 
 
 def check(m, root):
-    path = os.path.join(root, "plugins", "module_utils", m.file)
+    path = os.path.join(root, m.file)
     with open(path) as f:
         original = f.read()
     if original.count(m.rule) != 1:
@@ -85,7 +95,7 @@ def check(m, root):
     try:
         with open(path, "w") as f:
             f.write(original.replace(m.rule, m.without))
-        rc = unit_tests(root)
+        rc = unit_tests(root, m.tests)
     finally:
         with open(path, "w") as f:
             f.write(original)
@@ -103,7 +113,7 @@ def main():
     chosen = [m for m in MUTATIONS if not a.names or m.name in a.names]
     with tempfile.TemporaryDirectory(prefix="gpuflow-mutation-") as tmp:
         root = copy_of_checkout(tmp)
-        if unit_tests(root) != 0:
+        if any(unit_tests(root, pattern) != 0 for pattern in sorted({m.tests for m in chosen})):
             print("the unit tests fail before any rule is removed")
             return 1
         failures = 0
