@@ -77,6 +77,32 @@ def test_full_report_has_every_section_and_real_figures(tmp_path):
     assert "train resumed in run 20261201T041300Z: run 20261201T040100Z had stopped" in resumptions
 
 
+BELOW_ONE = "Why the speedup is below 1"
+
+
+def test_speedup_below_one_is_explained_with_the_break_even(tmp_path):
+    """The local default's evaluation (0.74x): the page says why, and how far the drafter is from breaking even."""
+    data = full_data(tmp_path)
+    with open(os.path.join(FIXTURES, "drafter_eval_local_default.MANIFEST.json")) as f:
+        data["manifests"]["drafter_eval"] = ev = json.load(f)
+    evaluation = section(render(tmp_path, data)[1], "evaluation")
+    assert "0.74x" in evaluation and BELOW_ONE in evaluation
+    assert "a draft step costs about what a target step does" in evaluation
+    assert "1.95 of at most 4 (3 draft tokens + 1 bonus)" in evaluation
+    # tau* = tau * tok/s without / tok/s with the drafter = 1.95 * 675.6 / 501.3
+    tau = ev["speculative"]["mean_acceptance_length"]
+    break_even = tau * ev["baseline"]["output_tokens_per_s"] / ev["speculative"]["output_tokens_per_s"]
+    assert "%.2f" % break_even == "2.63"
+    assert "break-even acceptance length \u03c4* = speculative step / target step</td><td>%.2f<" % break_even in evaluation
+    assert "\u03c4 = 1.95, %.2f short of \u03c4*" % (break_even - tau) in evaluation
+
+
+def test_speedup_above_one_has_no_break_even(tmp_path):
+    evaluation = section(render(tmp_path, full_data(tmp_path))[1], "evaluation")
+    assert "1.28x" in evaluation
+    assert BELOW_ONE not in evaluation and "break-even" not in evaluation
+
+
 def test_page_renders_in_headless_chromium(tmp_path):
     result = render(tmp_path, full_data(tmp_path))[0]
     pixels = screenshot(result["html"], tmp_path)

@@ -428,6 +428,48 @@ def section_training(data, base, figures):
     return "".join(parts)
 
 
+def break_even_acceptance_length(acceptance_length, base_tps, spec_tps):
+    """The mean acceptance length at which the drafter neither gains nor loses, at the step costs of this run.
+
+    With k draft tokens per step, a speculative step costs one verification by the target (t_verify) plus k
+    draft steps (t_draft each) and yields tau tokens, the mean acceptance length (accepted + 1 bonus, as vLLM
+    defines it). Speedup = tau * t_target / (t_verify + k * t_draft), so it breaks even at
+    tau* = (t_verify + k * t_draft) / t_target: the cost of a speculative step in target steps.
+    Both passes run the same prompts at the same concurrency: t_target is the time per output token without
+    the drafter (1 / base_tps), a speculative step is tau times the time per output token with it
+    (tau / spec_tps), hence tau* = tau * base_tps / spec_tps = tau / speedup.
+    """
+    return acceptance_length * base_tps / spec_tps
+
+
+def speedup_below_one(num_speculative_tokens, acceptance_length, base_tps, spec_tps):
+    """Why a speedup below 1 does not condemn the drafter, with the break-even acceptance length of this run."""
+    break_even = break_even_acceptance_length(acceptance_length, base_tps, spec_tps)
+    return "".join([
+        "<h3>Why the speedup is below 1</h3>",
+        paragraph("On a small target, such as the local default's 4-layer model on a CPU, a draft step costs about "
+                  "what a target step does: here the verification and the %(k)d draft steps together cost %(be).2f "
+                  "target steps, more than the %(tau).2f tokens they yield. On a real target a draft step costs a small "
+                  "fraction of a target step, so what carries over is the acceptance length against the draft length: "
+                  "%(tau).2f of at most %(most)d (%(k)d draft tokens + 1 bonus)."
+                  % {"k": num_speculative_tokens, "be": break_even, "tau": acceptance_length,
+                     "most": num_speculative_tokens + 1}),
+        paragraph("Model: a step of k draft tokens costs one verification plus k draft steps and yields the acceptance "
+                  "length \u03c4 (accepted + 1 bonus), so speedup = \u03c4 \u00b7 t_target / (t_verify + k \u00b7 t_draft) "
+                  "and the break-even is \u03c4* = (t_verify + k \u00b7 t_draft) / t_target."),
+        paragraph("Both passes send the same prompts at the same concurrency, so their times per output token measure "
+                  "the two step costs in one unit:"),
+        pairs([
+            ("target step: time per output token without the drafter", "%.3f ms" % (1000 / base_tps)),
+            ("speculative step: \u03c4 \u00d7 time per output token with the drafter", "%.2f \u00d7 %.3f ms = %.3f ms" % (
+                acceptance_length, 1000 / spec_tps, 1000 * acceptance_length / spec_tps)),
+            ("break-even acceptance length \u03c4* = speculative step / target step", "%.2f" % break_even),
+            # speedup = tau / tau*, so below 1 the drafter is always short of the break-even
+            ("this drafter", "\u03c4 = %.2f, %.2f short of \u03c4*" % (acceptance_length, break_even - acceptance_length)),
+        ]),
+    ])
+
+
 def section_evaluation(data, _base, figures):
     ev = (data.get("manifests") or {}).get("drafter_eval")
     if not ev:
@@ -450,6 +492,9 @@ def section_evaluation(data, _base, figures):
         ("output tokens/s with drafter", number(spec_tps, "%.1f")),
         ("speedup", number(speedup, "%.2fx")),
     ]))
+    acceptance_length, draft_length = dig(ev, "speculative.mean_acceptance_length"), ev.get("num_speculative_tokens")
+    if speedup is not None and speedup < 1 and acceptance_length and draft_length and base_tps and spec_tps:
+        parts.append(speedup_below_one(draft_length, acceptance_length, base_tps, spec_tps))
     return "".join(parts)
 
 
