@@ -1,83 +1,179 @@
 """Checksums of a stage's output directory, for moving it between hosts (playbooks/tasks/transfer.yml).
 
+A transfer carries exactly the files the source lists, as regular files: the list is made without
+following a symlink, the archive holds the listed files and nothing else, and a copy passes only when
+it holds exactly those files with their sizes and sha256, no file more and no symlink.
+
   sums   DIR [--manifest NAME] [--exclude NAME ...]
-                        write DIR/SHA256SUMS.json: every file under DIR (but the transfer's own records and
-                        the excluded top-level names) with its size and sha256, and the sha256 of the stage's
-                        record DIR/NAME (default MANIFEST.json; no record, no transfer); files whose size and
-                        mtime are unchanged since the last SHA256SUMS.json are not read again
-  verify DIR --sums F   compare DIR with the sums in F: missing files, other sizes, other sha256
+                        write DIR/SHA256SUMS.json: every regular file under DIR with its size and sha256,
+                        and the sha256 of the stage's record DIR/NAME (default MANIFEST.json; no record, no
+                        transfer). What stays behind: the transfer's own records, the excluded top-level
+                        names and *.tmp files (writes in progress). A symlink or other non-regular file
+                        anywhere else refuses the transfer: no stage writes one, and on another host it
+                        would point at that host's files. Files whose size and mtime are unchanged since
+                        the last SHA256SUMS.json are not read again
+  pack   DIR --sums F --file TAR
+                        write TAR holding exactly the files F lists, each read without following a symlink
+  verify DIR --sums F   compare DIR with the sums in F: missing files, other sizes, other sha256, files F
+                        does not list, symlinks and other non-regular entries; ok only when there are none
   record DIR --sums F --source HOST --seconds S
                         after a verified copy: write DIR/TRANSFER.json (what arrived, from where)
   current DIR --sums F  whether DIR already holds a verified copy of what F describes (TRANSFER.json has
                         F's manifest and every file has its size): a rerun copies nothing
 
-Each command prints one JSON object. Standard library only (any Python 3.6+ on the hosts).
+Each command prints one JSON object; a refusal or a malformed sums file prints {"failed": true, "msg": ...}
+and exits 1. Standard library only (any Python 3.6+ on the hosts).
 """
 import argparse
 import hashlib
 import json
 import os
+import re
+import stat
 import sys
+import tarfile
+import tempfile
 import time
 
 SUMS = "SHA256SUMS.json"
 RECORD = "TRANSFER.json"
 OWN_FILES = {SUMS, RECORD}
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def sha256(path):
+class Refused(Exception):
+    """A directory or a sums file this tool will not work with: printed as a failure, not a traceback."""
+
+
+def open_below(root, rel):
+    """The regular file root/rel opened for reading, no symlink followed below root: a link swapped in
+    after the walk fails here instead of being read."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in rel.split("/")[:-1]:
+            sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        # O_NONBLOCK: a fifo put in a file's place must not hang the open
+        sub = os.open(rel.split("/")[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    f = os.fdopen(sub, "rb")
+    if not stat.S_ISREG(os.fstat(sub).st_mode):
+        f.close()
+        raise Refused("%s in %s is not a regular file" % (rel, root))
+    return f
+
+
+def sha256(root, rel):
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_below(root, rel) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 
 
 def read_json(path):
+    """The JSON object in the regular file at path (a symlink there is not followed), else None."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        with open_below(os.path.dirname(path) or ".", os.path.basename(path)) as f:
+            obj = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, Refused):
         return None
+    return obj if isinstance(obj, dict) else None
+
+
+def bad_name(rel):
+    """A listed name that could reach outside the directory it is looked up in."""
+    return not isinstance(rel, str) or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/"))
+
+
+def load_sums(path):
+    """The sums file at path, every entry checked, or Refused: its names are opened and archived."""
+    sums = read_json(path)
+    files = sums.get("files") if sums else None
+    if not isinstance(files, dict) or not isinstance(sums.get("bytes"), int) \
+            or not SHA256.match(str(sums.get("manifest_sha256"))):
+        raise Refused("%s is not a sums file of gpuflow_artifacts.py (unreadable, not JSON, or without "
+                      "files, bytes and manifest_sha256)" % path)
+    for rel, f in files.items():
+        if bad_name(rel) or not isinstance(f, dict) or not isinstance(f.get("size"), int) or f["size"] < 0 \
+                or not SHA256.match(str(f.get("sha256"))):
+            raise Refused("%s has a malformed entry %r: a relative path inside the directory with a size "
+                          "and a sha256 expected" % (path, rel))
+    return sums
+
+
+def replace_atomically(path, write, mode=0o644):
+    """Write path through a private temporary file beside it: nothing is written through a link planted
+    at a predictable name, and a reader sees the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            os.fchmod(f.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_atomically(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True).encode("utf-8")))
 
 
 def walk(root, exclude=()):
-    """{relative path: os.stat} of the regular files under root, the transfer's own records and the
-    excluded top-level names left out."""
-    found = {}
-    for dirpath, dirs, files in os.walk(root):
+    """({relative path: lstat} of the regular files under root, sorted relative paths of everything else
+    that is not a directory: symlinks (to directories too), fifos, sockets, devices). Nothing is followed;
+    the excluded top-level names are left out."""
+    files, odd = {}, []
+
+    def unreadable(e):
+        raise e  # a directory that cannot be listed would hide its files
+
+    for dirpath, dirs, names in os.walk(root, onerror=unreadable):
         if dirpath == root:
             dirs[:] = [d for d in dirs if d not in exclude]
-            files = [f for f in files if f not in exclude]
-        for name in files:
+            names = [n for n in names if n not in exclude]
+        # os.walk lists a link to a directory among the directories and does not enter it
+        odd.extend(os.path.relpath(os.path.join(dirpath, d), root) for d in dirs
+                   if os.path.islink(os.path.join(dirpath, d)))
+        for name in names:
             path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root)
-            if rel in OWN_FILES or name.endswith(".tmp") or not os.path.isfile(path):
-                continue
-            found[rel] = os.stat(path)
-    return found
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                files[os.path.relpath(path, root)] = st
+            else:
+                odd.append(os.path.relpath(path, root))
+    return files, sorted(odd)
 
 
 def cmd_sums(a):
     if not os.path.isfile(os.path.join(a.dir, a.manifest)):
         return fail("%s has no %s: the stage did not finish there" % (a.dir, a.manifest))
-    old = (read_json(os.path.join(a.dir, SUMS)) or {}).get("files", {})
+    present, odd = walk(a.dir, set(a.exclude) | OWN_FILES)
+    odd = [rel for rel in odd if not rel.endswith(".tmp")]
+    if odd:
+        return fail("%s holds symlinks or other non-regular files: %s. A transfer carries regular files only "
+                    "and follows no link; remove them, or exclude their top-level name if they stay behind"
+                    % (a.dir, ", ".join(odd[:20])))
+    if a.manifest not in present:
+        return fail("%s's %s is not a regular file that the transfer carries" % (a.dir, a.manifest))
+    old = (read_json(os.path.join(a.dir, SUMS)) or {}).get("files")
+    old = old if isinstance(old, dict) else {}
     files, hashed = {}, 0
-    for rel, st in sorted(walk(a.dir, a.exclude).items()):
+    for rel, st in sorted(present.items()):
+        if rel.endswith(".tmp"):
+            continue
         before = old.get(rel)
-        if before and before["size"] == st.st_size and before["mtime"] == st.st_mtime:
+        if isinstance(before, dict) and before.get("size") == st.st_size and before.get("mtime") == st.st_mtime \
+                and SHA256.match(str(before.get("sha256"))):
             files[rel] = before
             continue
-        files[rel] = {"size": st.st_size, "mtime": st.st_mtime, "sha256": sha256(os.path.join(a.dir, rel))}
+        files[rel] = {"size": st.st_size, "mtime": st.st_mtime, "sha256": sha256(a.dir, rel)}
         hashed += 1
     sums = {"files": files, "manifest": a.manifest, "manifest_sha256": files[a.manifest]["sha256"],
             "bytes": sum(f["size"] for f in files.values())}
@@ -87,30 +183,38 @@ def cmd_sums(a):
     return 0
 
 
-def compare(root, expected):
-    """(missing, other size, other sha256) of root against the expected {rel: {size, sha256}}."""
-    present = walk(root)
-    missing = sorted(rel for rel in expected if rel not in present)
-    resized = sorted(rel for rel, f in expected.items() if rel in present and present[rel].st_size != f["size"])
-    checked = [rel for rel in expected if rel in present and rel not in resized]
-    corrupt = sorted(rel for rel in checked if sha256(os.path.join(root, rel)) != expected[rel]["sha256"])
-    return missing, resized, corrupt
+def cmd_pack(a):
+    sums = load_sums(a.sums)
+
+    def write(raw):
+        with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for rel in sorted(sums["files"]):
+                with open_below(a.dir, rel) as f:
+                    tar.addfile(tar.gettarinfo(arcname=rel, fileobj=f), f)
+
+    replace_atomically(a.file, write, mode=0o600)
+    emit({"files": len(sums["files"]), "bytes": sums["bytes"], "archive": a.file, "changed": True})
+    return 0
 
 
 def cmd_verify(a):
-    sums = read_json(a.sums)
-    if not sums:
-        return fail("cannot read the sums %s" % a.sums)
-    missing, resized, corrupt = compare(a.dir, sums["files"])
-    ok = not (missing or resized or corrupt)
-    emit({"ok": ok, "files": len(sums["files"]), "bytes": sums["bytes"], "missing": missing[:20],
-          "other_size": resized[:20], "other_sha256": corrupt[:20],
-          "problems": len(missing) + len(resized) + len(corrupt)})
+    sums = load_sums(a.sums)
+    expected = sums["files"]
+    present, odd = walk(a.dir)
+    missing = sorted(rel for rel in expected if rel not in present)
+    unlisted = sorted(rel for rel in present if rel not in expected)
+    resized = sorted(rel for rel, f in expected.items() if rel in present and present[rel].st_size != f["size"])
+    checked = [rel for rel in expected if rel in present and rel not in resized]
+    corrupt = sorted(rel for rel in checked if sha256(a.dir, rel) != expected[rel]["sha256"])
+    problems = set(missing) | set(resized) | set(corrupt) | set(unlisted) | set(odd)
+    emit({"ok": not problems, "files": len(expected), "bytes": sums["bytes"], "missing": missing[:20],
+          "other_size": resized[:20], "other_sha256": corrupt[:20], "unlisted": unlisted[:20],
+          "not_regular": odd[:20], "problems": len(problems)})
     return 0
 
 
 def cmd_record(a):
-    sums = read_json(a.sums)
+    sums = load_sums(a.sums)
     write_json(os.path.join(a.dir, SUMS), sums)
     record = {"source": a.source, "manifest_sha256": sums["manifest_sha256"], "files": len(sums["files"]),
               "bytes": sums["bytes"], "seconds": a.seconds, "verified": True,
@@ -121,12 +225,13 @@ def cmd_record(a):
 
 
 def cmd_current(a):
-    sums = read_json(a.sums) or {}
+    # no list yet (a first run in check mode does not copy it): nothing here is current
+    sums = load_sums(a.sums) if os.path.lexists(a.sums) else {}
     record = read_json(os.path.join(a.dir, RECORD)) or {}
-    if not sums or record.get("manifest_sha256") != sums.get("manifest_sha256"):
+    if not sums or record.get("manifest_sha256") != sums["manifest_sha256"]:
         emit({"current": False, "reason": "no verified copy of this manifest here"})
         return 0
-    present = walk(a.dir)
+    present, _ = walk(a.dir)
     other = [rel for rel, f in sums["files"].items() if rel not in present or present[rel].st_size != f["size"]]
     emit({"current": not other, "reason": ("%d file(s) missing or changed since the copy" % len(other)) if other
           else "a verified copy of this manifest is here", "record": record})
@@ -149,20 +254,26 @@ def main(argv=None):
     p.add_argument("dir")
     p.add_argument("--manifest", default="MANIFEST.json")
     p.add_argument("--exclude", action="append", default=[], help="a top-level name to leave out (repeatable)")
-    for name in ("verify", "current"):
+    for name in ("verify", "current", "pack"):
         p = sub.add_parser(name)
         p.add_argument("dir")
         p.add_argument("--sums", required=True)
+        if name == "pack":
+            p.add_argument("--file", required=True, help="the archive to write")
     p = sub.add_parser("record")
     p.add_argument("dir")
     p.add_argument("--sums", required=True)
     p.add_argument("--source", required=True)
     p.add_argument("--seconds", type=float, required=True)
     a = ap.parse_args(argv)
-    fn = {"sums": cmd_sums, "verify": cmd_verify, "record": cmd_record, "current": cmd_current}.get(a.cmd)
+    fn = {"sums": cmd_sums, "pack": cmd_pack, "verify": cmd_verify, "record": cmd_record,
+          "current": cmd_current}.get(a.cmd)
     if not fn:
         ap.error("a subcommand is required")
-    return fn(a)
+    try:
+        return fn(a)
+    except (Refused, OSError) as e:
+        return fail("%s %s: %s" % (a.cmd, a.dir, e))
 
 
 if __name__ == "__main__":
