@@ -64,6 +64,10 @@ MUTATIONS = [
              '            text = ("timed out after %s s. " % r.p["reset_timeout"]) + text\n',
              "            pass\n",
              GPU_TESTS),
+    Mutation("transfer-unlisted-file", "playbooks/tasks/files/gpuflow_artifacts.py",
+             "    unlisted = sorted(rel for rel in present if rel not in expected)\n",
+             "    unlisted = []\n",
+             "tests/unit/test_gpuflow_artifacts.py"),
 ]
 
 
