@@ -7,15 +7,15 @@ drafter, the speculative-decoding counters of this pass (drafts, draft tokens, a
 accepted tokens per draft position) with the acceptance rate and the mean acceptance length
 (1 + accepted / drafts, the bonus token included, as vLLM defines it).
 
-Stdlib only, so any Python on the host runs it. The API key, if any, comes from VLLM_API_KEY.
+Stdlib only, so any Python on the host runs it. The API key, if any, comes from --api-key-file,
+never from argv or the environment, where other local users could read it.
 
   evalbench.py --endpoint http://127.0.0.1:8000 --model tiny --prompts P.jsonl \
-      [--num-prompts 16] [--max-tokens 64] [--temperature 0] [--concurrency 4]
+      [--num-prompts 16] [--max-tokens 64] [--temperature 0] [--concurrency 4] [--api-key-file F]
 """
 import argparse
 import concurrent.futures
 import json
-import os
 import re
 import sys
 import time
@@ -28,17 +28,16 @@ PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
 
 
-def headers():
+def headers(key):
     h = {"Content-Type": "application/json"}
-    key = os.environ.get("VLLM_API_KEY", "")
     if key:
         h["Authorization"] = "Bearer " + key
     return h
 
 
-def read_metrics(endpoint, timeout):
+def read_metrics(endpoint, timeout, key):
     """Sum of each counter over its label sets; per-position counters keyed by position."""
-    req = urllib.request.Request(endpoint + "/metrics", headers=headers())
+    req = urllib.request.Request(endpoint + "/metrics", headers=headers(key))
     with urllib.request.urlopen(req, timeout=timeout) as r:
         text = r.read().decode()
     totals, per_pos = {}, {}
@@ -80,7 +79,7 @@ def ask(endpoint, model, messages, a):
     body = {"model": model, "messages": messages, "max_tokens": a.max_tokens, "temperature": a.temperature,
             "ignore_eos": True, "seed": 0}
     req = urllib.request.Request(endpoint + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers=headers())
+                                 headers=headers(a.api_key))
     with urllib.request.urlopen(req, timeout=a.request_timeout) as r:
         data = json.loads(r.read())
     return int(data["usage"]["completion_tokens"])
@@ -88,7 +87,7 @@ def ask(endpoint, model, messages, a):
 
 def measure(a):
     prompts = load_prompts(a.prompts, a.num_prompts)
-    before, pos_before = read_metrics(a.endpoint, a.request_timeout)
+    before, pos_before = read_metrics(a.endpoint, a.request_timeout, a.api_key)
     errors = []
     tokens = 0
     start = time.monotonic()
@@ -100,7 +99,7 @@ def measure(a):
             except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
                 errors.append(str(exc)[:200])
     seconds = time.monotonic() - start
-    after, pos_after = read_metrics(a.endpoint, a.request_timeout)
+    after, pos_after = read_metrics(a.endpoint, a.request_timeout, a.api_key)
     result = {"requests": len(prompts), "errors": len(errors), "error_samples": errors[:3],
               "completion_tokens": tokens, "seconds": round(seconds, 3),
               "output_tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else 0.0,
@@ -131,8 +130,13 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--api-key-file", default="", help="file holding the server's API key (default: no key)")
     a = p.parse_args(argv)
     a.endpoint = a.endpoint.rstrip("/")
+    a.api_key = ""
+    if a.api_key_file:
+        with open(a.api_key_file) as f:
+            a.api_key = f.read().strip()
     result = measure(a)
     print(json.dumps(result, sort_keys=True))
     return 1 if result["errors"] else 0

@@ -34,6 +34,9 @@ position in the set is R modulo W, into its own directory (``shards/rank-R-of-W`
 convention), and ``merge`` joins the W complete shard directories into one dataset with one
 manifest, refusing a prompt answered twice or missing.
 
+The server's API key, if any, comes from ``--api-key-file`` (read before ``--detach`` forks, so the
+file may go as soon as the launcher returns), never from argv or the environment.
+
 Subcommands: ``run`` (default), ``status`` (print progress.json),
 ``wait`` (block up to N seconds for the run to end, print progress), ``merge``.
 Needs Python >= 3.9 and aiohttp (the vLLM venv has it).
@@ -329,8 +332,7 @@ class Run:
         if base.endswith("/v1"):
             base = base[:-3]
         self.url = base + "/v1/chat/completions"
-        key = os.environ.get(a.api_key_env or "", "")
-        self.headers = {"Authorization": "Bearer " + key} if key else {}
+        self.headers = {"Authorization": "Bearer " + a.api_key} if a.api_key else {}
         self.sampling = json.loads(a.sampling_params) if a.sampling_params else {}
         self.template_kwargs = json.loads(a.chat_template_kwargs) if a.chat_template_kwargs else None
 
@@ -468,6 +470,13 @@ def cmd_run(a):
                               "msg": "%s holds rows made with other inputs (fingerprint %s, now %s); "
                                      "use a new output directory" % (a.out_dir, old, a.fingerprint)}))
             return 3
+    # before the fork: the launcher's caller may remove the key file as soon as --detach returns
+    try:
+        a.api_key = read_api_key(a.api_key_file)
+    except OSError as e:
+        print(json.dumps({"started": False, "failed": True,
+                          "msg": "cannot read the API key file: %s" % e}))
+        return 3
     if a.detach:
         # double fork: survives the SSH session and the Ansible task that started it
         if os.fork() > 0:
@@ -514,6 +523,15 @@ def cmd_run(a):
                       "reasoning_fraction": m["reasoning_fraction"],
                       "requests_per_s": m["this_run"]["requests_per_s"]}))
     return 0 if m["status"] == "complete" else 2
+
+
+def read_api_key(path):
+    """The key from a file (a trailing newline dropped), never from argv or the environment, where other
+    local users could read it; empty without --api-key-file."""
+    if not path:
+        return ""
+    with open(path) as f:
+        return f.read().strip()
 
 
 def read_pid(path):
@@ -679,7 +697,8 @@ def main(argv=None):
                    help="stop the run when the endpoint refuses connections this long (a rerun resumes)")
     r.add_argument("--error-threshold", type=float, default=0.01,
                    help="fail (exit 2, status failed) when more than this share of prompts has no row")
-    r.add_argument("--api-key-env", default="VLLM_API_KEY")
+    r.add_argument("--api-key-file", default="",
+                   help="file holding the server's API key, read once at the start (default: no key)")
     r.add_argument("--fingerprint", default="", help="opaque identity of the inputs, stored in the manifest")
     r.add_argument("--detach", action="store_true")
     r.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="R/W",
