@@ -39,7 +39,7 @@ import time
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import holders as H
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import pid_safety as S
-from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import resolve_gpu_spec
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import bad_number, resolve_gpu_spec
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name, unit_name
 
 DEFAULTS = {
@@ -80,11 +80,11 @@ def resolve_gpus(spec, gpus):
 
 def validate_params(p):
     """Check parameters that need no host access; returns the compiled pattern."""
-    for k in ("grace_period", "kill_timeout", "release_timeout", "unit_stop_timeout"):
-        if float(p[k]) < 0:
-            raise DrainError("%s must be >= 0" % k)
-    if not 0.001 <= float(p["poll_interval"]) <= 5:
-        raise DrainError("poll_interval must be between 0.001 and 5 seconds")
+    for k, low, high in (("grace_period", 0, None), ("kill_timeout", 0, None), ("release_timeout", 0, None),
+                         ("unit_stop_timeout", 0, None), ("poll_interval", 0.001, 5)):
+        why = bad_number(k, p[k], low, maximum=high)
+        if why:
+            raise DrainError(why)
     if int(p["memory_tolerance_mib"]) < 0:
         raise DrainError("memory_tolerance_mib must be >= 0")
     for pid in p["pids"] or []:

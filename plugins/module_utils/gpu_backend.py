@@ -60,6 +60,7 @@ simulated backend stores the fields a reset simulation needs in its per-GPU JSON
 
 from __future__ import annotations
 
+import math
 import os
 
 SIM_STATE_ENV = "GPUFLOW_GPU_SIM_STATE_DIR"
@@ -150,6 +151,9 @@ def select_backend(backend="auto", sim_state_dir=None, timeout=10.0, env=None):
     state directory, else ``nvml``.  ``GPUFLOW_GPU_BACKEND`` overrides ``auto``.
     Raises :class:`BackendUnavailable` with a clear message when nothing usable exists.
     """
+    why = bad_number("nvml_timeout", timeout, above=True)
+    if why:
+        raise BackendUnavailable(why)
     env = os.environ if env is None else env
     state_dir = sim_state_dir or env.get(SIM_STATE_ENV) or None
     if backend == "auto":
@@ -217,3 +221,22 @@ def resolve_gpu_spec(spec, gpus):
             continue
         raise ValueError("unknown GPU %r: not an index or UUID of this host" % s)
     return sorted(out)
+
+
+def bad_number(name, value, minimum=0.0, above=False, maximum=None):
+    """Why option ``name`` is not a usable number of seconds, or None: finite, at least ``minimum`` (more than
+    it with ``above``), at most ``maximum``.
+
+    Every module's timeouts and intervals pass here. Ansible's ``type: float`` accepts "nan" and "inf", and
+    ``nan < 0`` is false: a bound alone lets NaN through, and a wait bounded by either never ends."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return "%s must be a number, not %r" % (name, value)
+    if not math.isfinite(v):
+        return "%s must be a finite number, not %s" % (name, value)
+    if maximum is not None and not minimum <= v <= maximum:
+        return "%s must be between %g and %g seconds" % (name, minimum, maximum)
+    if v < minimum or (above and v == minimum):
+        return "%s must be %s %g" % (name, ">" if above else ">=", minimum)
+    return None

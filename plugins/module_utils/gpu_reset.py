@@ -72,6 +72,7 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils import pid_safety a
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import (
     BackendError,
     BackendUnsupported,
+    bad_number,
     resolve_gpu_spec,
 )
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name
@@ -662,11 +663,10 @@ def build_plan(gpus, selected, plat, disc, p, daemon_states, systemd_ok, smi_ids
 
 # --------------------------------------------------------------------------- run
 def _validate(p):
-    for k in ("reset_timeout", "command_timeout", "health_timeout", "unit_timeout"):
-        if float(p[k]) <= 0:
-            raise ResetError("%s must be > 0" % k)
-    if not 0.001 <= float(p["poll_interval"]) <= 5:
-        raise ResetError("poll_interval must be between 0.001 and 5 seconds")
+    for k in ("reset_timeout", "command_timeout", "health_timeout", "unit_timeout", "poll_interval"):
+        why = bad_number(k, p[k], 0.001, maximum=5) if k == "poll_interval" else bad_number(k, p[k], above=True)
+        if why:
+            raise ResetError(why)
     if int(p["memory_tolerance_mib"]) < 0:
         raise ResetError("memory_tolerance_mib must be >= 0")
     if p["fabric_manager"] not in ("auto", "keep", "stop"):

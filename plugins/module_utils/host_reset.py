@@ -32,6 +32,7 @@ import re
 import tempfile
 import time
 
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import bad_number
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import (
     DEFAULT_DAEMONS,
     ResetError,
@@ -76,8 +77,9 @@ def validate_drain(drain, daemons):
         # daemons are restored on every host, drained services only on healthy ones: one unit cannot be both
         raise ResetError("drain.services and daemons both name %s" % ", ".join(both))
     for k in ("grace_period", "kill_timeout"):
-        if float(drain[k]) < 0:
-            raise ResetError("drain.%s must be >= 0" % k)
+        why = bad_number("drain." + k, drain[k])
+        if why:
+            raise ResetError(why)
 
 
 def active_services(systemd, services, warn):
@@ -155,6 +157,9 @@ def reset_host(open_backend, params, drain=None, state_file=None, mark_state=Fal
             seen.add(msg)
             warn(msg)
 
+    drain = None if drain is None else dict(DRAIN_DEFAULTS, **dict((k, v) for k, v in drain.items() if v is not None))
+    if drain is not None:
+        validate_drain(drain, params.get("daemons") or DEFAULT_DAEMONS)
     try:
         state = read_state_file(state_file) if state_file else {}
     except ValueError as e:
@@ -162,9 +167,6 @@ def reset_host(open_backend, params, drain=None, state_file=None, mark_state=Fal
         state = {}
     was_drained = bool((state.get("drain") or {}).get("drained"))
     had_mark = bool((state.get("reset") or {}).get("needs_power_cycle"))
-    drain = None if drain is None else dict(DRAIN_DEFAULTS, **dict((k, v) for k, v in drain.items() if v is not None))
-    if drain is not None:
-        validate_drain(drain, params.get("daemons") or DEFAULT_DAEMONS)
     changed = False
 
     # 2. assess: only a drain needs to know the reset groups before the reset runs

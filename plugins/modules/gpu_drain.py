@@ -319,7 +319,7 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import 
     backend_argument_spec,
     open_backend_for_module,
 )
-from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import DrainError, run_drain  # noqa: E402
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import DrainError, drain_params, run_drain  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import Systemd  # noqa: E402
 
 
@@ -361,9 +361,13 @@ def main():
         return module.run_command(argv, environ_update={"SYSTEMD_PAGER": "", "LC_ALL": "C"})
 
     systemd = Systemd(run)
-    backend = open_backend_for_module(module)
     not_drain = ("backend", "sim_state_dir", "nvml_timeout", "fail_when_not_ready")
     params = dict((k, p[k]) for k in argument_spec if k not in not_drain)
+    try:
+        drain_params(params)  # bad options fail before the backend looks at any GPU
+    except DrainError as e:
+        module.fail_json(msg=str(e), changed=False)
+    backend = open_backend_for_module(module)
     try:
         result = run_drain(backend, params, check_mode=module.check_mode, systemd=systemd,
                            t0=_T0, warn=module.warn)

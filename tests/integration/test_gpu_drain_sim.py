@@ -286,6 +286,9 @@ def test_s8_clean_gpu_no_change(sim):
     ({"gpus": ["5"]}, "unknown GPU index 5"),
     ({"cmdline_pattern": "vllm(("}, "malformed cmdline_pattern"),
     ({"units": ["vllm-x"]}, "systemd is not running"),
+    ({"grace_period": "nan"}, "grace_period must be a finite number, not nan"),
+    ({"kill_timeout": "inf"}, "kill_timeout must be a finite number, not inf"),
+    ({"nvml_timeout": "nan"}, "nvml_timeout must be a finite number, not nan"),
 ])
 def test_bad_parameters_fail_before_signalling(sim, args, match):
     h = sim.hold("--gpu", "0", "--mib", "1000")
