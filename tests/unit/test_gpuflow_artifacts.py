@@ -160,7 +160,7 @@ def test_sums_refuse_a_symlink_and_never_record_what_it_points_to(tmp_path, link
     assert rc == 1 and out["failed"] and link in out["msg"] and "regular files only" in out["msg"]
     assert not os.path.exists(os.path.join(src, "SHA256SUMS.json"))
     leaked = sha_of(os.path.join(secret, "shadow"))
-    for dirpath, _, names in os.walk(src):
+    for dirpath, dummy, names in os.walk(src):
         for name in names:
             with open(os.path.join(dirpath, name), "rb") as f:
                 assert leaked.encode() not in f.read()

@@ -231,7 +231,7 @@ def cmd_current(a):
     if not sums or record.get("manifest_sha256") != sums["manifest_sha256"]:
         emit({"current": False, "reason": "no verified copy of this manifest here"})
         return 0
-    present, _ = walk(a.dir)
+    present = walk(a.dir)[0]
     other = [rel for rel, f in sums["files"].items() if rel not in present or present[rel].st_size != f["size"]]
     emit({"current": not other, "reason": ("%d file(s) missing or changed since the copy" % len(other)) if other
           else "a verified copy of this manifest is here", "record": record})
