@@ -158,7 +158,7 @@ def checks(a, work, gv, rc):
     report = load(os.path.join(work, "report", "pipeline.json"))
     handoffs = report.get("handoffs") or []
     res["handoff"] = handoffs[0] if handoffs else {}
-    pidfiles = glob.glob(os.path.join(work, "vllm", "run", "*.pid")) + glob.glob(os.path.join(work, "*", "*", "*.pid"))
+    pidfiles = glob.glob(os.path.join(work, "etc", "run", "*.pid")) + glob.glob(os.path.join(work, "*", "*", "*.pid"))
     res["pidfiles_left"] = [p for p in pidfiles if pid_of_file_alive(p)]
     res["compute_apps_after"] = compute_apps() if a.device == "cuda" else []
     res["ok"] = (rc == 0 and all(v["status"] in ("ran", "resumed", "skipped") for v in res["stages"].values())
@@ -174,10 +174,10 @@ def checks(a, work, gv, rc):
 def pid_of_file_alive(path):
     try:
         with open(path) as f:
-            pid = int(f.read().split()[0])
+            pid = json.load(f)["pid"]  # the launcher's and the extraction job's pid files alike
         os.kill(pid, 0)
         return True
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 

@@ -144,7 +144,7 @@ PORTS = [free_port(), free_port()]
 
 DATA = os.path.join(WORK, "synthetic_data", "default")
 HIDDEN = os.path.join(WORK, "hidden_states", "default")
-SERVER_PIDFILE = os.path.join(WORK, "vllm", "run", "tiny.pid")
+SERVER_PIDFILE = os.path.join(WORK, "etc", "run", "tiny.pid")
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def first_run():
     wait_for(proc, "8 prompts were answered",
              lambda: lines(os.path.join(DATA, "rows.jsonl")) + lines(os.path.join(DATA, "truncated.jsonl")) >= 8)
     with open(SERVER_PIDFILE) as f:
-        os.kill(int(f.read().split()[0]), signal.SIGTERM)
+        os.kill(json.load(f)["pid"], signal.SIGTERM)
     runs["server_stopped"] = finished(proc, "run1.log")
 
     # 2: the rerun resumes the data; once extraction is under way, kill the extraction job
@@ -267,7 +267,7 @@ def test_report_renders_in_headless_chromium_with_its_figures(first_run, tmp_pat
 
 def launch_logs():
     """Every server log and trainer job log, with its size: a start appends to one of them."""
-    paths = glob.glob(os.path.join(WORK, "vllm", "log", "*.log")) + \
+    paths = glob.glob(os.path.join(WORK, "etc", "log", "*.log")) + \
         glob.glob(os.path.join(WORK, "train", "*", "nodes", "*", "job.log"))
     return {p: os.path.getsize(p) for p in paths}
 

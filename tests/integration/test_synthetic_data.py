@@ -71,17 +71,17 @@ def env():
     }
     info = {"ev": ev, "root": root, "port": port,
             "out": os.path.join(root, "work", "synthetic_data", "it"),
-            "pidfile": os.path.join(root, "home", "run", "it.pid")}
+            "pidfile": os.path.join(root, "etc", "run", "it.pid")}
     yield info
     # leave nothing running: stop through the role, then make sure by process group
     from vllm_localhost import role_playbook
     run_playbook(role_playbook(root), dict(ev, vllm_server_state="stopped"), root, check=False, timeout=600)
     try:
         with open(info["pidfile"]) as f:
-            pg = int(f.read().split()[0])
+            pg = json.load(f)["pid"]
         if group_members(pg):
             os.killpg(pg, signal.SIGKILL)
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError):
         pass
     dpid = os.path.join(info["out"], "datagen.pid")
     try:
@@ -234,7 +234,7 @@ def test_two_hosts_split_the_prompts_and_merge_them_exactly_once(env):
 
 def test_stop_leaves_no_process(env):
     with open(env["pidfile"]) as f:
-        pg = int(f.read().split()[0])
+        pg = json.load(f)["pid"]
     assert len(group_members(pg)) >= 3  # api server, engine core, worker (+ resource tracker)
     from vllm_localhost import role_playbook
     recap = run_playbook(role_playbook(env["root"]), dict(env["ev"], vllm_server_state="stopped"), env["root"])[2]
