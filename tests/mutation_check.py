@@ -68,6 +68,10 @@ MUTATIONS = [
              "    unlisted = sorted(rel for rel in present if rel not in expected)\n",
              "    unlisted = []\n",
              "tests/unit/test_gpuflow_artifacts.py"),
+    Mutation("launcher-pid-identity", "roles/vllm_server/files/vllm_proc.py",
+             '    if starttime != record["starttime"] or cmdline != record["cmdline"]:\n',
+             "    if False:\n",
+             "tests/unit/test_vllm_proc.py"),
 ]
 
 
