@@ -124,14 +124,14 @@ def extraction_setup(name, samples, truncated):
 
 def stop_leftovers(env):
     """Leave nothing running: every job and server process group the module started."""
-    root = env["root"]
-    for name in os.listdir(os.path.join(root, "home", "run")) if os.path.isdir(os.path.join(root, "home", "run")) else []:
+    run = os.path.join(env["root"], "etc", "run")  # the launcher's pid files (vllm_server_run_dir)
+    for name in os.listdir(run) if os.path.isdir(run) else []:
         try:
-            with open(os.path.join(root, "home", "run", name)) as f:
-                pg = int(f.read().split()[0])
+            with open(os.path.join(run, name)) as f:
+                pg = json.load(f)["pid"]
             if pg > 1 and group_members(pg):
                 os.killpg(pg, signal.SIGKILL)
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, TypeError):
             pass
 
 
