@@ -87,37 +87,33 @@ def identity(pid):
 def host():
     """A managed host in miniature: etc/ (root's: config, run, log), home/ (the account's), a root-only file."""
     base = tempfile.mkdtemp(prefix="vllm-proc-")
-    os.chmod(base, 0o755)  # the account must reach its home; /tmp itself is sticky, so this stays root's
     h = {"base": base, "etc": os.path.join(base, "etc"), "home": os.path.join(base, "home"),
          "run": os.path.join(base, "etc", "run"), "log": os.path.join(base, "etc", "log"),
          "secret": os.path.join(base, "secret"), "started": []}
-    if os.geteuid() == 0:
+    try:
+        os.chmod(base, 0o755)  # the account must reach its home; /tmp itself is sticky, so this stays root's
         for d in ("etc", "run", "log"):
             assert helper("mkdir", "--path", h[d], "--mode", "0750", "--owner", "root", "--group", ACCOUNT_GROUP,
                           "--trusted")[0] == 0
         assert helper("mkdir", "--path", h["home"], "--mode", "0750", "--owner", ACCOUNT.pw_name,
                       "--group", ACCOUNT_GROUP)[0] == 0
-    os.makedirs(h["secret"], mode=0o700, exist_ok=True)
-    h["shadow"] = os.path.join(h["secret"], "shadow")
-    with open(h["shadow"], "w") as f:
-        f.write("root-only\n")
-    os.chmod(h["shadow"], 0o600)
-    with open(os.path.join(h["etc"], "argv.json"), "w") as f:
-        json.dump(SERVER_ARGV, f)
-    write_env(os.path.join(h["etc"], "x.env"), {"VLLM_API_KEY": SECRET_KEY})
-    yield h
-    for pid in h["started"]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    for pidfile in (os.path.join(h["run"], "x.pid"), os.path.join(h["home"], "run", "x.pid")):
-        try:
-            with open(pidfile) as f:
-                os.killpg(json.load(f)["pid"], signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
-    shutil.rmtree(base, ignore_errors=True)
+        os.mkdir(h["secret"], 0o700)
+        h["shadow"] = os.path.join(h["secret"], "shadow")
+        with open(h["shadow"], "w") as f:
+            f.write("root-only\n")
+        os.chmod(h["shadow"], 0o600)
+        with open(os.path.join(h["etc"], "argv.json"), "w") as f:
+            json.dump(SERVER_ARGV, f)
+        write_env(os.path.join(h["etc"], "x.env"), {"VLLM_API_KEY": SECRET_KEY})
+        yield h
+    finally:
+        # only the groups the launcher reported starting: a pid file here may name anybody's process
+        for pid in h["started"]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def write_env(path, env):
