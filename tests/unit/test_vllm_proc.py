@@ -178,6 +178,15 @@ def test_start_records_the_identity_and_stop_ends_the_group(host):
     assert not os.path.exists(os.path.join(host["run"], "x.pid"))
 
 
+@as_root
+def test_stop_without_a_run_directory_has_nothing_to_stop_and_start_names_the_missing_one(host):
+    never = os.path.join(host["base"], "never", "run")
+    assert helper("stop", "--pidfile", os.path.join(never, "x.pid")) == \
+        (0, {"changed": False, "pids_left": [], "stale": None})
+    rc, res = start(host, run=never)
+    assert rc == 1 and "no such directory" in res["msg"] and os.path.dirname(never) in res["msg"], res
+
+
 # --- the old layout (run and log under the home the account owns): refused, nothing touched --------------------
 
 @as_root

@@ -174,7 +174,7 @@ def walk_to_dir(path, settle=None, trusted_only=False):
                 fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
             except FileNotFoundError:
                 if settle is None:
-                    raise
+                    raise FileNotFoundError(errno.ENOENT, "no such directory", where + "/" + name)
                 os.mkdir(name, 0o700, dir_fd=parent_fd)
                 fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
                 created = True
@@ -498,7 +498,10 @@ def wait_gone(pg, timeout):
 
 
 def cmd_stop(a):
-    run_fd = trusted_dir(os.path.dirname(a.pidfile))
+    try:
+        run_fd = trusted_dir(os.path.dirname(a.pidfile))
+    except FileNotFoundError:  # never started here: the role makes the directory only to start
+        out({"changed": False, "pids_left": [], "stale": None})
     pg, pids, stale = server_group(a.pidfile)
     if not pids:
         out({"changed": False, "pids_left": [], "stale": stale})
