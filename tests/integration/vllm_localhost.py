@@ -45,9 +45,10 @@ LOCAL_INVENTORY = ("all:\n  children:\n    inference:\n      hosts:\n        loc
                    "    ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
 
 
-def run_playbook(playbook, extra_vars, tmp, check=True, timeout=1800, inventory=LOCAL_INVENTORY, background=False):
+def run_playbook(playbook, extra_vars, tmp, check=True, timeout=1800, inventory=LOCAL_INVENTORY, background=False,
+                 options=()):
     """Run a playbook against localhost; return (rc, output, recap dict), or the Popen with background=True
-    (output in tmp/playbook.log)."""
+    (output in tmp/playbook.log). options: more ansible-playbook arguments (--check, --tags ...)."""
     inv = os.path.join(tmp, "inventory.yml")
     with open(inv, "w") as f:
         f.write(inventory)
@@ -56,11 +57,11 @@ def run_playbook(playbook, extra_vars, tmp, check=True, timeout=1800, inventory=
         json.dump(extra_vars, f)
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_FORCE_COLOR="0")
+    argv = [PLAYBOOK_BIN, "-i", inv, playbook, "-e", "@" + ev] + list(options)
     if background:
         with open(os.path.join(tmp, "playbook.log"), "w") as log:
-            return subprocess.Popen([PLAYBOOK_BIN, "-i", inv, playbook, "-e", "@" + ev], cwd=REPO, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT)
-    p = subprocess.run([PLAYBOOK_BIN, "-i", inv, playbook, "-e", "@" + ev], cwd=REPO, env=env,
+            return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.run(argv, cwd=REPO, env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
                        timeout=timeout, check=False)
     recap = {}
