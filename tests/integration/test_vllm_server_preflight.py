@@ -1,4 +1,5 @@
 """vllm_server: bad input fails with a clear message before anything changes (no vLLM needed)."""
+import json
 import os
 import socket
 
@@ -33,6 +34,7 @@ def expect_failure(tmp_path, extra, needle):
     assert recap.get("changed") == 0, recap
     assert not os.path.exists(extra["vllm_server_config_dir"]), "something was written before the check"
     assert not os.path.exists(extra["vllm_server_home"])
+    return out
 
 
 def test_missing_model_path(tmp_path, base):
@@ -83,3 +85,64 @@ def test_stop_timeout_not_above_shutdown_timeout(tmp_path, base):
     base["vllm_server_shutdown_timeout"] = 60
     base["vllm_server_stop_timeout"] = 60
     expect_failure(tmp_path, base, "stop_timeout above shutdown_timeout (got 60")
+
+
+# issue 23, finding 3: no variable reaches the remote shell. The port probe runs under --check too.
+@pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check_mode"])
+def test_injected_home_path_runs_nothing(tmp_path, base, check_mode):
+    marker = tmp_path / "PWNED"
+    base["vllm_server_home"] = "/x;touch %s;#" % marker
+    rc, out, recap = run_playbook(role_playbook(str(tmp_path)), base, str(tmp_path), check=False, timeout=300,
+                                  options=["--check"] if check_mode else [])
+    assert rc != 0 and "vllm_server_home must be an absolute path of letters" in out, out[-3000:]
+    assert not marker.exists(), "a command injected through vllm_server_home ran"
+    assert recap.get("changed") == 0 and not os.path.exists(base["vllm_server_config_dir"])
+
+
+def test_home_with_a_space_refused_cleanly(tmp_path, base):
+    base["vllm_server_home"] = str(tmp_path / "with space")
+    expect_failure(tmp_path, base, "vllm_server_home must be an absolute path of letters")
+
+
+# finding 4: nothing adds a line to the unit or the environment file
+@pytest.mark.parametrize("variable,value", [
+    ("vllm_server_served_model_name", "tiny\nExecStartPre=/bin/touch /tmp/x"),   # Description=
+    ("vllm_server_home", "/var/lib/vllm\nExecStartPre=/bin/touch /tmp/x"),        # WorkingDirectory=
+    ("vllm_server_read_write_paths", ["/data\nReadWritePaths=/"]),               # ReadWritePaths=
+    ("vllm_server_device_allow", ["/dev/nvidiactl rw\nDevicePolicy=auto"]),      # DeviceAllow=
+    ("vllm_server_env", {"A=1\nLD_PRELOAD": "/tmp/x.so"}),                       # a key that adds a line
+    ("vllm_server_env", {"A-B": "1"}),                                            # not a variable name
+    ("vllm_server_env", {"A": "1\rLD_PRELOAD=/tmp/x.so"}),                        # a value that adds a line
+    ("vllm_server_model_path", "/models/tiny\nx"),                                # ExecStart=
+], ids=["description", "working-directory", "read-write-paths", "device-allow", "env-key", "env-key-name",
+        "env-value", "exec-start"])
+def test_injected_unit_or_env_line_refused(tmp_path, base, variable, value):
+    base[variable] = value
+    expect_failure(tmp_path, base, variable)
+
+
+# finding 5: vLLM reads --a_b as --a-b, --a.b.c as a key of the JSON flag --a, argparse any unambiguous prefix
+@pytest.mark.parametrize("args", [
+    ["--api_key", "S"],
+    ["--api-key=S"],
+    ["--api-k", "S"],
+    ["--tensor_parallel_size", "2"],
+    ["-tp=2"],
+    ["--kv-transfer-config.kv_connector_extra_config.allow_custom_save_path", "true"],
+    ["--speculative_config.num_speculative_tokens", "9"],
+    ["--config", "/tmp/more-args.yaml"],
+    ["--additional-config", '{"kv_connector_extra_config": {"Allow-Custom-Save-Path": true}}'],
+    ["--additional-config", '{"allow\\u005fcustom\\u005fsave\\u005fpath": true}'],
+])
+def test_managed_flag_bypass_refused(tmp_path, base, args):
+    base["vllm_server_extra_args"] = args
+    out = expect_failure(tmp_path, base, "vllm_server_extra_args must be a list of strings")
+    assert "Got: %s" % json.dumps(args) in " ".join(out.split()), out[-3000:]
+
+
+def test_plain_extra_args_pass(tmp_path, base):
+    base["vllm_server_extra_args"] = ["--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "4",
+                                      "--model-impl", "vllm", "--compilation-config.level", "0"]
+    rc, out, _ = run_playbook(role_playbook(str(tmp_path)), base, str(tmp_path), check=False, timeout=300,
+                              options=["--tags", "vllm_server_preflight"])
+    assert rc == 0, out[-3000:]
