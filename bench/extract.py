@@ -154,8 +154,8 @@ def main():
         hs = os.path.join(out, "hs")
         written = sum(os.path.getsize(os.path.join(hs, n)) for n in os.listdir(hs))
     finally:
-        with open(os.path.join(root, "home", "run", "bench-extract.pid")) as f:
-            pg = int(f.read().split()[0])
+        with open(os.path.join(root, "etc", "run", "bench-extract.pid")) as f:  # vllm_server_run_dir
+            pg = int(json.load(f)["pid"])
         if pg > 1:
             os.killpg(pg, signal.SIGTERM)
     role_sps = statistics.median(x["sps"] for x in rounds["role"])

@@ -73,7 +73,7 @@ def server_vars(name, model, venv, work, tp, tag, port, **extra):
         "gpu_drain_state_file": os.path.join(work, "gpu_state.json"),
     }
     ev.update(extra)
-    return ev, os.path.join(home, "run", name + ".pid")
+    return ev, os.path.join(work, "etc", "run", name + ".pid")  # vllm_server_run_dir: config_dir/run
 
 
 def playbook(work, ev, name):
@@ -100,7 +100,7 @@ def playbook(work, ev, name):
 def server_tree(pidfile):
     try:
         with open(pidfile) as f:
-            pid = int(f.read().split()[0])
+            pid = int(json.load(f)["pid"])  # the launcher's record: pid, starttime, cmdline
         root = psutil.Process(pid)
         return {p.pid: p.name() for p in [root] + root.children(recursive=True)}
     except (OSError, ValueError, psutil.NoSuchProcess):
