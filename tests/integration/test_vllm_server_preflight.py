@@ -87,16 +87,19 @@ def test_stop_timeout_not_above_shutdown_timeout(tmp_path, base):
     expect_failure(tmp_path, base, "stop_timeout above shutdown_timeout (got 60")
 
 
-# issue 23, finding 3: no variable reaches the remote shell. The port probe runs under --check too.
+# issue 23, finding 3: no variable reaches the remote shell. The port probe runs under --check too, and
+# reads the pid file under vllm_server_run_dir (vllm_server_config_dir/run by default).
 @pytest.mark.parametrize("check_mode", [False, True], ids=["run", "check_mode"])
-def test_injected_home_path_runs_nothing(tmp_path, base, check_mode):
+@pytest.mark.parametrize("variable", ["vllm_server_home", "vllm_server_config_dir", "vllm_server_run_dir"])
+def test_injected_path_runs_nothing(tmp_path, base, variable, check_mode):
+    # the issue's "/x;id>/tmp/PWNED;#", kept under tmp_path should the role ever create it as a directory
     marker = tmp_path / "PWNED"
-    base["vllm_server_home"] = "/x;touch %s;#" % marker
+    base[variable] = "%s/x;touch %s;#" % (tmp_path, marker)
     rc, out, recap = run_playbook(role_playbook(str(tmp_path)), base, str(tmp_path), check=False, timeout=300,
                                   options=["--check"] if check_mode else [])
-    assert rc != 0 and "vllm_server_home must be an absolute path of letters" in out, out[-3000:]
-    assert not marker.exists(), "a command injected through vllm_server_home ran"
-    assert recap.get("changed") == 0 and not os.path.exists(base["vllm_server_config_dir"])
+    assert not marker.exists(), "a command injected through %s ran" % variable
+    assert rc != 0 and "%s must be an absolute path" % variable in out, out[-3000:]
+    assert recap.get("changed") == 0 and not os.path.exists(os.path.join(str(tmp_path), "x;touch "))
 
 
 def test_home_with_a_space_refused_cleanly(tmp_path, base):
@@ -107,16 +110,21 @@ def test_home_with_a_space_refused_cleanly(tmp_path, base):
 # finding 4: nothing adds a line to the unit or the environment file
 @pytest.mark.parametrize("variable,value", [
     ("vllm_server_served_model_name", "tiny\nExecStartPre=/bin/touch /tmp/x"),   # Description=
-    ("vllm_server_home", "/var/lib/vllm\nExecStartPre=/bin/touch /tmp/x"),        # WorkingDirectory=
+    ("vllm_server_home", "{tmp}/home\nExecStartPre=/bin/true"),                  # WorkingDirectory=
     ("vllm_server_read_write_paths", ["/data\nReadWritePaths=/"]),               # ReadWritePaths=
     ("vllm_server_device_allow", ["/dev/nvidiactl rw\nDevicePolicy=auto"]),      # DeviceAllow=
     ("vllm_server_env", {"A=1\nLD_PRELOAD": "/tmp/x.so"}),                       # a key that adds a line
     ("vllm_server_env", {"A-B": "1"}),                                            # not a variable name
     ("vllm_server_env", {"A": "1\rLD_PRELOAD=/tmp/x.so"}),                        # a value that adds a line
-    ("vllm_server_model_path", "/models/tiny\nx"),                                # ExecStart=
+    ("vllm_server_model_path", "{tmp}/model\nExecStartPre=/bin/true"),          # ExecStart= (the directory exists)
 ], ids=["description", "working-directory", "read-write-paths", "device-allow", "env-key", "env-key-name",
         "env-value", "exec-start"])
 def test_injected_unit_or_env_line_refused(tmp_path, base, variable, value):
+    # (paths under tmp_path: a role that let them through would create them)
+    if isinstance(value, str):
+        value = value.format(tmp=tmp_path)
+    if variable == "vllm_server_model_path":
+        os.makedirs(value)
     base[variable] = value
     expect_failure(tmp_path, base, variable)
 
