@@ -2,17 +2,17 @@
 
 The matrix: for each role, cases of newlines and other control characters, shell metacharacters in
 names, relative or missing paths, non-finite or negative numbers, unknown choices and the bypass
-spellings of vllm_server_extra_args. One ansible-playbook run per role (about 2 s per case there, not
-4 s per case): a play loops over the role's cases, runs the role in a block whose rescue records the
-failure, and writes what it recorded; each case is then one test here. Each case's paths lie under
-out/<case id>, so a case that created something is named by what it left.
+spellings of vllm_server_extra_args. One ansible-playbook run per role, not one per case (about 4 s
+each): every case is a host of the inventory with the case's settings as its host variables, the play
+runs the role on all of them at once in a block whose rescue records the failure, and the results are
+written to a file; each case is then one test here. Each case's paths lie under out/<case id>, so a
+case that created something is named by what it left.
 """
 import functools
 import json
 import os
 import pwd
 import subprocess
-import sys
 
 import pytest
 
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.slow
 
 VENV_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 GPU_SIM = os.path.join(REPO, "tools", "gpu_sim.py")
-ROOT = {}  # the tmp directory of this session's runs (set by the fixture)
 
 # paths of a case: {out} is out/<case id> under the run's root, {fx} the fixtures' directory
 OUT = "{out}"
@@ -363,7 +362,6 @@ PLAY = """\
 - name: The bad-input matrix of one role
   hosts: all
   gather_facts: false
-  # pipeline_report runs once for all hosts (run_once): one case at a time there
   serial: "{{ matrix_serial }}"
   tasks:
     - name: Run the role with the case's settings
@@ -435,9 +433,9 @@ def tree(root):
 
 
 @functools.lru_cache(maxsize=None)
-def run_role(role):
+def run_role(tmp, role):
     """Run the role's cases in one ansible-playbook; {case id: what happened, plus 'left': what it created}."""
-    root = os.path.join(ROOT["tmp"], role.rsplit(".", 1)[1])
+    root = os.path.join(tmp, role.rsplit(".", 1)[1])
     fx, cwd = os.path.join(root, "fixtures"), os.path.join(root, "cwd")
     os.makedirs(cwd)
     os.makedirs(os.path.join(root, "out"))
@@ -458,10 +456,12 @@ def run_role(role):
         f.write(PLAY)
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_FORCE_COLOR="0")
-    # relative paths are taken from the working directory: an empty one under the run's root
+    # pipeline_report runs once for all hosts (run_once): one case at a time there
     serial = "1" if role.endswith("pipeline_report") else "100%"
-    p = subprocess.run([PLAYBOOK_BIN, "-i", inventory, os.path.join(root, "play.yml"), "-e", "matrix_serial=" + serial], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
+    # relative paths are taken from the working directory: an empty one under the run's root
+    p = subprocess.run([PLAYBOOK_BIN, "-i", inventory, os.path.join(root, "play.yml"), "-e", "matrix_serial=" + serial],
+                       cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                       timeout=600, check=False)
     with open(os.path.join(root, "playbook.log"), "w") as f:
         f.write(p.stdout)
     # the results are written before any handler runs: a case that got as far as notifying one fails the run
@@ -482,29 +482,24 @@ def run_role(role):
 
 @pytest.fixture(scope="session")
 def matrix_tmp(tmp_path_factory):
-    # kept for a look at playbook.log (pytest keeps the last three runs' directories)
-    ROOT["tmp"] = str(tmp_path_factory.mktemp("bad_input"))
-    return ROOT["tmp"]
+    """The runs' directory, kept for a look at each playbook.log (pytest keeps the last three)."""
+    return str(tmp_path_factory.mktemp("bad_input"))
 
 
 @pytest.mark.parametrize("role,case_id,var,text", [
     pytest.param(role, case_id, var, text, id="%s-%s" % (role.rsplit(".", 1)[1], case_id))
     for role, cases in CASES.items() for case_id, _o, var, text in cases])
 def test_refused_before_any_change(matrix_tmp, role, case_id, var, text):
-    result = run_role(role)[case_id]
-    assert result["refused"], "%s %s was not refused" % (role, case_id)
+    result = run_role(matrix_tmp, role)[case_id]
+    assert result["refused"] is True, "%s %s was not refused" % (role, case_id)
+    assert not result["left"], "%s created %s before refusing" % (case_id, result["left"])
     msg = " ".join(result["msg"].split())
     if INF_NOT_NAMED in msg:
         return  # refused, by ansible-core's argument validation, whose message names no variable here
     assert var in msg and text in msg, "%s: %r or %r not in: %s (task %s)" % (case_id, var, text, msg, result["task"])
-    assert not result["left"], "%s created %s before refusing" % (case_id, result["left"])
     overrides = next(c[1] for c in CASES[role] if c[0] == case_id)
     for secret in [v for k, v in overrides.items() if k.endswith("api_key")]:
         assert secret.split("\n")[0] not in msg, "the message shows the API key"
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__] + sys.argv[1:]))
 
 
 def test_layer_ids_refused_before_install_and_prepare(tmp_path):
