@@ -2,8 +2,10 @@
 file with the container that made it (sha256 computed on each side by sha256sum, not by the tool). The
 dataset's source was corrupted on purpose by the side effect, so its files are compared only through the
 refusal test."""
+import glob
 import json
 import os
+import tempfile
 
 import pytest
 import testinfra
@@ -36,7 +38,8 @@ def sha256_of_files(host, directory):
 @pytest.mark.parametrize("what, source, receiver, directory, excluded", MOVES[1:], ids=[m[0] for m in MOVES[1:]])
 def test_every_file_arrived_with_the_source_sha256(what, source, receiver, directory, excluded):
     made = sha256_of_files(container(source), directory)
-    expected = {p: d for p, d in made.items() if p.split("/")[0] not in excluded}
+    # excluded names and writes in progress (*.tmp) stay behind
+    expected = {p: d for p, d in made.items() if p.split("/")[0] not in excluded and not p.endswith(".tmp")}
     assert len(expected) >= 2
     if excluded:  # the source had files that stay behind
         assert len(expected) < len(made)
@@ -62,6 +65,28 @@ def test_copy_that_differs_from_the_source_is_refused_and_replaces_nothing():
     assert extract.file(directory + "/TRANSFER.json").exists
     # the refused copy stays beside it for a look
     assert extract.file(directory + ".incoming/rows.jsonl").exists
+
+
+def test_a_write_in_progress_stayed_behind():
+    directory = WORK + "/train/default/drafter"
+    assert container("train-1").file(directory + "/sub/weights.tmp").exists
+    assert not container("inference-1").file(directory + "/sub").exists
+
+
+def test_a_source_with_links_out_of_it_is_refused_and_the_copy_kept():
+    train = container("train-1")
+    refusal = train.file(WORK + "/hidden_states-refused.txt").content_string
+    assert "regular files only" in refusal and "ckpt" in refusal and "hs/key" in refusal
+    directory = WORK + "/hidden_states/default"
+    # no link arrived, and the verified copy is still there (its files: test_every_file_arrived...)
+    assert train.check_output("find %s -type l" % directory) == ""
+    assert json.loads(train.file(directory + "/TRANSFER.json").content_string)["verified"] is True
+    listed = json.loads(container("extract-1").file(directory + "/SHA256SUMS.json").content_string)["files"]
+    assert "hs/key" not in listed and "ckpt" not in listed
+
+
+def test_no_private_staging_directory_is_left_on_the_controller():
+    assert glob.glob(os.path.join(tempfile.gettempdir(), "gpuflow-transfer-*")) == []
 
 
 def test_side_effect_changes_were_moved_again():
