@@ -111,7 +111,7 @@ def written_outside(acct):
 
 
 def test_ordinary_account_make_pipeline(account):
-    rc, out, _ = as_account(account, ["make", "bootstrap"])
+    rc, out, _seconds = as_account(account, ["make", "bootstrap"])
     assert rc == 0, out[-3000:]
 
     # without the CPU torch: the message and the exit code within seconds, before anything is built
@@ -132,7 +132,7 @@ def test_ordinary_account_make_pipeline(account):
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
                     "-d", account["wheels"], req.group(1)], check=True)
     given = sorted(os.listdir(account["wheels"]))
-    rc, out, _ = as_account(account, ["make", "wheelhouses", "preflight"], given={"PIP_FIND_LINKS": account["wheels"]})
+    rc, out, _seconds = as_account(account, ["make", "wheelhouses", "preflight"], given={"PIP_FIND_LINKS": account["wheels"]})
     assert rc == 0, out[-5000:]
     for name in ("vllm", "speculators"):
         wheelhouse = os.path.join(account["checkout"], ".cache", "wheelhouse", name)

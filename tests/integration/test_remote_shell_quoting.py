@@ -32,7 +32,7 @@ def injected(marker):
 
 def test_vllm_server_stop_quotes_the_pidfile(tmp_path):
     marker = tmp_path / "PWNED"
-    rc, out, _ = run_tasks(tmp_path, "gpuflow.eagle3.vllm_server", "stopped.yml", {
+    rc, out, _recap = run_tasks(tmp_path, "gpuflow.eagle3.vllm_server", "stopped.yml", {
         "__vllm_server_manager": "process", "__vllm_server_pidfile": injected(marker),
         "vllm_server_python": VENV_PYTHON})
     assert "Stop the server process group" in out, out[-3000:]
@@ -41,7 +41,7 @@ def test_vllm_server_stop_quotes_the_pidfile(tmp_path):
 
 def test_vllm_server_stop_quotes_the_python(tmp_path):
     marker = tmp_path / "PWNED"
-    rc, out, _ = run_tasks(tmp_path, "gpuflow.eagle3.vllm_server", "stopped.yml", {
+    rc, out, _recap = run_tasks(tmp_path, "gpuflow.eagle3.vllm_server", "stopped.yml", {
         "__vllm_server_manager": "process", "__vllm_server_pidfile": str(tmp_path / "none.pid"),
         "vllm_server_python": "%s -c pass;touch %s;#" % (VENV_PYTHON, marker)})
     assert rc != 0, out[-3000:]  # no interpreter of that name
@@ -55,7 +55,7 @@ def test_hidden_state_extract_gpu_check_quotes_the_pidfile(tmp_path, check_mode)
     sim = tmp_path / "sim"
     subprocess.run([VENV_PYTHON, GPU_SIM, "init", "--state-dir", str(sim), "--gpus", "1"], check=True,
                    stdout=subprocess.DEVNULL)
-    rc, out, _ = run_tasks(tmp_path, "gpuflow.eagle3.hidden_state_extract", "gpu_check.yml", {
+    rc, out, _recap = run_tasks(tmp_path, "gpuflow.eagle3.hidden_state_extract", "gpu_check.yml", {
         "__hidden_state_extract_runner": "process", "__hidden_state_extract_server_pidfile": injected(marker),
         "hidden_state_extract_gpu_backend": "simulated", "hidden_state_extract_gpu_sim_state_dir": str(sim),
         "hidden_state_extract_python": VENV_PYTHON}, check_mode=check_mode)

@@ -127,7 +127,10 @@ def test_the_key_stays_off_command_lines_and_the_launchers_files_are_roots(host,
     assert st.st_uid == 0 and "stand-in serving" in open(host["log"]).read()
     st = os.stat(ev["vllm_server_home"])
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (ACCOUNT.pw_uid, ACCOUNT.pw_gid, 0o750)
-    assert os.listdir(ev["vllm_server_home"]) == []  # nothing of root's in the account's home
+    # nothing of root's in the account's home: only its tmp/ (TMPDIR, vLLM's sockets), the account's too
+    assert os.listdir(ev["vllm_server_home"]) == ["tmp"]
+    st = os.stat(os.path.join(ev["vllm_server_home"], "tmp"))
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (ACCOUNT.pw_uid, ACCOUNT.pw_gid, 0o750)
 
     recap = run_playbook(role_playbook(base), ev, base)[2]
     assert recap["changed"] == 0, recap
@@ -151,7 +154,7 @@ def test_a_symlinked_directory_the_account_planted_fails_the_run_and_its_target_
         os.symlink(secret, os.path.join(home, "hidden_states"))
         os._exit(0)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    rc, out, _ = run_playbook(role_playbook(base), ev, base, check=False, timeout=300)
+    rc, out, _recap = run_playbook(role_playbook(base), ev, base, check=False, timeout=300)
     assert rc != 0 and "is a symlink that a user other than root could have made" in out, out[-3000:]
     st = os.stat(secret)
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o700) and os.listdir(secret) == []

@@ -151,6 +151,6 @@ def test_managed_flag_bypass_refused(tmp_path, base, args):
 def test_plain_extra_args_pass(tmp_path, base):
     base["vllm_server_extra_args"] = ["--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "4",
                                       "--model-impl", "vllm", "--compilation-config.level", "0"]
-    rc, out, _ = run_playbook(role_playbook(str(tmp_path)), base, str(tmp_path), check=False, timeout=300,
-                              options=["--tags", "vllm_server_preflight"])
+    rc, out, _recap = run_playbook(role_playbook(str(tmp_path)), base, str(tmp_path), check=False, timeout=300,
+                                   options=["--tags", "vllm_server_preflight"])
     assert rc == 0, out[-3000:]

@@ -74,7 +74,7 @@ def identity(pid):
     """(start time, command line) of a process; the command line reads empty for a moment after Popen returns."""
     with open("/proc/%d/stat" % pid) as f:
         starttime = int(f.read().rsplit(")", 1)[1].split()[19])
-    for _ in range(400):
+    for _attempt in range(400):
         with open("/proc/%d/cmdline" % pid, "rb") as f:
             cmdline = f.read().decode().split("\0")[:-1]
         if cmdline:
@@ -324,7 +324,7 @@ def test_the_recorded_command_line_is_the_one_after_the_exec():
     """Right after Popen returns, /proc/PID/cmdline reads empty about half the time (the kernel sets it a moment
     after the exec closed Popen's error pipe); a pid file with that empty line would call the server stale."""
     exec_identity = helper_module().exec_identity
-    for _ in range(20):
+    for _attempt in range(20):
         p = subprocess.Popen(["sleep", "300"], start_new_session=True)
         try:
             assert exec_identity(p.pid)[2] == ["sleep", "300"]

@@ -204,11 +204,11 @@ def walk_to_dir(path, settle=None, trusted_only=False):
             if trusted_only and not stack[-1][1]:
                 raise Refused("%s is not root's: %s (uid %d, mode %04o) can be changed by another user, who could "
                               "plant files there" % (path, where, st.st_uid, stat.S_IMODE(st.st_mode)))
-        fd, _ = stack.pop()
+        fd = stack.pop()[0]
         return OpenedDir(fd, stack[-1][1] if stack else True, created)
     finally:
-        for fd, _ in stack:
-            os.close(fd)
+        for entry in stack:
+            os.close(entry[0])
 
 
 def trusted_dir(path):
@@ -270,6 +270,11 @@ def cmd_mkdir(a):
 
 # --- the pid file ------------------------------------------------------------------------------
 
+def is_int(value):
+    """An int from JSON, and not a bool (which Python counts as an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def read_record(pidfile):
     """(record, None), or (None, why it is not believed); (None, None) when there is none."""
     try:
@@ -290,7 +295,7 @@ def read_record(pidfile):
         text = f.read()
     try:
         record = json.loads(text)
-        valid = (type(record["pid"]) is int and record["pid"] > 1 and type(record["starttime"]) is int
+        valid = (is_int(record["pid"]) and record["pid"] > 1 and is_int(record["starttime"])
                  and isinstance(record["cmdline"], list))
     except (ValueError, KeyError, TypeError):
         valid = False
@@ -406,8 +411,8 @@ def cmd_port(a):
 
 
 def cmd_pids(a):
-    _, pids, stale = server_group(a.pidfile)
-    pids = set(pids)
+    members, stale = server_group(a.pidfile)[1:]
+    pids = set(members)
     if a.unit:
         pids |= set(unit_pids(a.unit))
     out({"pids": sorted(pids), "stale": stale})
@@ -445,7 +450,7 @@ def cmd_status(a):
 def cmd_start(a):
     run_fd = trusted_dir(os.path.dirname(a.pidfile))
     log_fd = trusted_dir(os.path.dirname(a.log))
-    pgid, pids, _ = server_group(a.pidfile)
+    pgid, pids = server_group(a.pidfile)[:2]
     if pids:
         out({"changed": False, "pid": pgid})
     with open(a.argv_file) as f:
@@ -556,7 +561,7 @@ def cmd_wait(a):
                 out({"ready": False, "seconds": round(el, 1), "unit_state": st,
                      "msg": "unit %s left active while loading (state %s)" % (a.unit, "/".join(st))}, 1)
         elif a.pidfile:
-            _, pids, stale = server_group(a.pidfile)
+            pids, stale = server_group(a.pidfile)[1:]
             if not pids:
                 out({"ready": False, "seconds": round(el, 1),
                      "msg": "the server process group is gone" + (" (%s)" % stale if stale else "")}, 1)
