@@ -154,3 +154,23 @@ def test_plain_extra_args_pass(tmp_path, base):
     rc, out, _recap = run_playbook(role_playbook(str(tmp_path)), base, str(tmp_path), check=False, timeout=300,
                                    options=["--tags", "vllm_server_preflight"])
     assert rc == 0, out[-3000:]
+
+
+# issue 29: vLLM's ZMQ sockets go to vllm_server_home/tmp, not /tmp, as <that>/<36-character uuid>; a unix
+# socket path holds 107 bytes at most: a home of 66 characters fits, 67 do not
+def test_home_too_long_for_the_socket_paths(tmp_path, base):
+    def home(length):
+        return str(tmp_path) + "/" + "h" * max(1, length - len(str(tmp_path)) - 1)
+
+    def preflight(extra):
+        return run_playbook(role_playbook(str(tmp_path)), extra, str(tmp_path), check=False, timeout=300,
+                            options=["--tags", "vllm_server_preflight"])[:2]
+
+    base["vllm_server_home"] = home(67)
+    expect_failure(tmp_path, base, "a unix socket path holds at most 107 bytes")
+    if len(home(66)) == 66:
+        rc, out = preflight(dict(base, vllm_server_home=home(66)))
+        assert rc == 0, out[-3000:]
+    # or the sockets somewhere shorter that the account can write
+    rc, out = preflight(dict(base, vllm_server_env={"VLLM_RPC_BASE_PATH": "/srv/vllm-rpc"}))
+    assert rc == 0, out[-3000:]
