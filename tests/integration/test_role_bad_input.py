@@ -189,6 +189,8 @@ CASES = {
          "layer ids [9] are out of range for a model with num_hidden_layers=4"),
         ("layer-ids-final", {"hidden_state_extract_layer_ids": [1, 4]}, "hidden_state_extract_layer_ids", "out of range"),
         ("layer-ids-unsorted", {"hidden_state_extract_layer_ids": [2, 1]}, "hidden_state_extract_layer_ids", "increasing"),
+        ("tp2-vllm-without-finished-count", {"vllm_server_tensor_parallel_size": 2, "vllm_server_version": "0.26.0"},
+         "vllm_server_tensor_parallel_size 2", "get_finished_count"),
         ("layer-ids-negative", {"hidden_state_extract_layer_ids": [-1, 2]}, "hidden_state_extract_layer_ids", "at least 0"),
         ("layer-ids-empty", {"hidden_state_extract_layer_ids": []}, "hidden_state_extract_layer_ids", "non-empty"),
         ("disk-margin-nan", {"hidden_state_extract_disk_margin": NAN}, "hidden_state_extract_disk_margin", "finite"),
