@@ -4,6 +4,7 @@ overwrite or signal anything, the pid file is believed only while its process ke
 the API key never reaches a command line, and the env file reads back what the template wrote.
 
 The account here is nobody:nogroup; the tests run the helper as root (as in CI)."""
+import contextlib
 import grp
 import http.server
 import importlib.util
@@ -137,9 +138,18 @@ def start(h, run=None, log=None, user=True):
     return rc, res
 
 
-def foreign_group():
-    """A root process in its own session, which the launcher did not start (pid == pgid)."""
-    return subprocess.Popen(["sleep", "300"], start_new_session=True)
+@contextlib.contextmanager
+def victim(own_session=True):
+    """A root process the launcher did not start (in its own session: pid == pgid) and its identity record,
+    as the launcher would write it; killed afterwards if the test left it running."""
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=own_session)
+    try:
+        starttime, cmdline = identity(proc.pid)
+        yield proc, {"pid": proc.pid, "starttime": starttime, "cmdline": cmdline}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def write_pidfile(path, record):
@@ -212,20 +222,14 @@ def test_start_refuses_a_run_directory_the_account_owns_and_writes_no_planted_tm
 
 @as_root
 def test_stop_refuses_a_pid_file_the_account_forged_with_the_exact_identity_of_a_root_process(host):
-    victim = foreign_group()
-    try:
-        starttime, cmdline = identity(victim.pid)
+    with victim() as (proc, forged):
         account_run = os.path.join(host["home"], "run")
-        forged = {"pid": victim.pid, "starttime": starttime, "cmdline": cmdline}
         assert as_account(lambda: (os.mkdir(account_run), write_pidfile(os.path.join(account_run, "x.pid"), forged))) == 0
         rc, res = helper("stop", "--pidfile", os.path.join(account_run, "x.pid"), "--timeout", 2)
         assert rc == 1 and "is not root's" in res["msg"], res
         assert helper("pids", "--pidfile", os.path.join(account_run, "x.pid"))[1]["pids"] == []
         time.sleep(0.2)
-        assert alive(victim.pid)
-    finally:
-        victim.kill()
-        victim.wait()
+        assert alive(proc.pid)
 
 
 # --- symlinks and files in root's directories (defence in depth: only root could have made them) ----------------
@@ -254,19 +258,14 @@ def test_the_pid_file_is_written_through_a_fresh_temp_name_never_a_planted_one(h
 
 @as_root
 def test_a_pid_file_root_does_not_own_is_not_believed(host):
-    victim = foreign_group()
-    try:
-        starttime, cmdline = identity(victim.pid)
+    with victim() as (proc, record):
         pidfile = os.path.join(host["run"], "x.pid")
-        write_pidfile(pidfile, {"pid": victim.pid, "starttime": starttime, "cmdline": cmdline})
+        write_pidfile(pidfile, record)
         os.chown(pidfile, ACCOUNT.pw_uid, ACCOUNT.pw_gid)
         rc, res = helper("stop", "--pidfile", pidfile, "--timeout", 2)
         assert rc == 0 and not res["changed"] and "not a regular file of root's" in res["stale"], res
         time.sleep(0.2)
-        assert alive(victim.pid)
-    finally:
-        victim.kill()
-        victim.wait()
+        assert alive(proc.pid)
 
 
 # --- the pid file's identity ----------------------------------------------------------------------------------
@@ -274,10 +273,7 @@ def test_a_pid_file_root_does_not_own_is_not_believed(host):
 @as_root
 @pytest.mark.parametrize("change", ["starttime", "cmdline", "not the group leader"])
 def test_a_pid_file_whose_process_changed_identity_is_stale_and_nothing_is_signalled(host, change):
-    victim = subprocess.Popen(["sleep", "300"]) if change == "not the group leader" else foreign_group()
-    try:
-        starttime, cmdline = identity(victim.pid)
-        record = {"pid": victim.pid, "starttime": starttime, "cmdline": cmdline}
+    with victim(own_session=change != "not the group leader") as (proc, record):
         if change == "starttime":
             record["starttime"] += 1
         elif change == "cmdline":
@@ -286,31 +282,22 @@ def test_a_pid_file_whose_process_changed_identity_is_stale_and_nothing_is_signa
         write_pidfile(pidfile, record)
         rc, res = helper("stop", "--pidfile", pidfile, "--timeout", 2)
         assert rc == 0 and res["changed"] is False and res["pids_left"] == [], res
-        assert "stale pid file" in res["stale"] and "PID %d" % victim.pid in res["stale"], res
+        assert "stale pid file" in res["stale"] and "PID %d" % proc.pid in res["stale"], res
         for sub in ("status", "pids"):
             out = helper(sub, "--pidfile", pidfile)[1]
             assert out["pids"] == [] and "stale pid file" in out["stale"], out
         time.sleep(0.2)
-        assert alive(victim.pid), "stop signalled a process the pid file no longer describes"
-    finally:
-        victim.kill()
-        victim.wait()
+        assert alive(proc.pid), "stop signalled a process the pid file no longer describes"
 
 
 @as_root
 def test_a_pid_file_with_the_current_identity_is_believed(host):
-    victim = foreign_group()
-    try:
-        starttime, cmdline = identity(victim.pid)
+    with victim() as (proc, record):
         pidfile = os.path.join(host["run"], "x.pid")
-        write_pidfile(pidfile, {"pid": victim.pid, "starttime": starttime, "cmdline": cmdline})
-        assert helper("pids", "--pidfile", pidfile)[1] == {"pids": [victim.pid], "stale": None}
+        write_pidfile(pidfile, record)
+        assert helper("pids", "--pidfile", pidfile)[1] == {"pids": [proc.pid], "stale": None}
         rc, res = helper("stop", "--pidfile", pidfile, "--timeout", 5)
-        assert rc == 0 and res["changed"] and victim.wait(timeout=5) == -signal.SIGTERM, res
-    finally:
-        if victim.poll() is None:
-            victim.kill()
-            victim.wait()
+        assert rc == 0 and res["changed"] and proc.wait(timeout=5) == -signal.SIGTERM, res
 
 
 def helper_module():
