@@ -191,12 +191,26 @@ def test_pack_ships_exactly_the_listed_files_and_a_copy_of_it_verifies(tmp_path)
     assert rc == 0 and out["files"] == 3
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
-    assert sorted(m.name for m in members) == ["MANIFEST.json", "hs/hs_0.safetensors", "hs/hs_1.safetensors"]
-    assert all(m.isreg() for m in members)
+    assert sorted(m.name for m in members if m.isreg()) == ["MANIFEST.json", "hs/hs_0.safetensors", "hs/hs_1.safetensors"]
+    assert sorted(m.name for m in members if not m.isreg()) == [".", "hs"] and all(m.isdir() for m in members if not m.isreg())
     incoming = os.path.join(str(tmp_path), "incoming")
     os.makedirs(incoming)
     subprocess.run(["tar", "--extract", "--file", archive, "--directory", incoming], check=True)
     assert tool("verify", incoming, "--sums", sums)[1]["ok"] is True
+
+
+def test_an_unpacked_copy_keeps_the_source_directories_modes_over_a_private_incoming_directory(tmp_path):
+    src = stage_dir(str(tmp_path))
+    os.chmod(src, 0o755)
+    os.chmod(os.path.join(src, "hs"), 0o750)
+    tool("sums", src, "--exclude", ".cache")
+    archive = os.path.join(str(tmp_path), "src.transfer.tar")
+    assert tool("pack", src, "--sums", os.path.join(src, "SHA256SUMS.json"), "--file", archive)[0] == 0
+    incoming = os.path.join(str(tmp_path), "incoming")
+    os.makedirs(incoming, mode=0o700)  # as transfer.yml makes DIR.incoming, before it becomes DIR
+    subprocess.run(["tar", "--extract", "--file", archive, "--directory", incoming], check=True)
+    assert oct(os.stat(incoming).st_mode & 0o777) == oct(0o755)
+    assert oct(os.stat(os.path.join(incoming, "hs")).st_mode & 0o777) == oct(0o750)
 
 
 def test_records_are_not_written_through_a_link_planted_at_a_predictable_name(tmp_path):

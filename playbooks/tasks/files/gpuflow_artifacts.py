@@ -183,11 +183,27 @@ def cmd_sums(a):
     return 0
 
 
+def listed_dirs(files):
+    """The directories that hold the listed files, the root "." first and every parent before its children."""
+    dirs = {"."}
+    for rel in files:
+        parts = rel.split("/")[:-1]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return sorted(dirs, key=lambda d: (d != ".", d.split("/")))
+
+
 def cmd_pack(a):
     sums = load_sums(a.sums)
 
     def write(raw):
         with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            # the directories' own entries (metadata only, read with lstat): unpacked as root, the copy gets the
+            # source's owners and modes, the receiving DIR.incoming's included, so a server account can read it
+            for rel in listed_dirs(sums["files"]):
+                info = tar.gettarinfo(os.path.join(a.dir, rel), arcname=rel)
+                if not info.isdir():
+                    raise Refused("%s in %s is not a directory" % (rel, a.dir))
+                tar.addfile(info)
             for rel in sorted(sums["files"]):
                 with open_below(a.dir, rel) as f:
                     tar.addfile(tar.gettarinfo(arcname=rel, fileobj=f), f)
