@@ -402,8 +402,10 @@ def test_the_server_gets_the_values_the_template_wrote(host):
     write_env(os.path.join(host["etc"], "x.env"), VALUES)
     rc, res = start(host)
     assert rc == 0, res
-    with open("/proc/%d/environ" % res["pid"], "rb") as f:
-        env = dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if kv)
+    # read as the server's own account: root without CAP_SYS_PTRACE (a container) may not read another user's environ
+    raw = subprocess.run(["cat", "/proc/%d/environ" % res["pid"]], user=ACCOUNT.pw_uid, group=ACCOUNT.pw_gid,
+                         extra_groups=[], capture_output=True, check=True).stdout
+    env = dict(kv.decode().split("=", 1) for kv in raw.split(b"\0") if kv)
     assert {k: env.get(k) for k in VALUES} == VALUES
 
 
