@@ -78,7 +78,9 @@ for s in "${scenarios[@]}"; do
   start=$(date +%s)
   molecule "$ACTION" -s "$s"
   rc=$?
-  took=$(fmt $(($(date +%s) - start)))
+  seconds=$(($(date +%s) - start))
+  took=$(fmt "$seconds")
+  [ -n "${GPUFLOW_TEST_TIMES:-}" ] && printf '%d\tmolecule %s\n' "$seconds" "$s" >>"$GPUFLOW_TEST_TIMES"
   if [ $rc -eq 0 ]; then
     report+=("$s|passed|$took")
   else

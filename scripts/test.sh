@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run test phases in order, time each, print a summary; exit non-zero if any phase failed.
+# Run test phases in order, time each, print a summary (each phase's wall time, the 10 slowest tests
+# and molecule scenarios, the total against the 35-minute budget); exit non-zero if any phase failed.
 # Phases: unit venvs mutation lint sanity package integration molecule controller-next; molecule-hosts and
 # molecule-vllm split molecule in two: the scenarios without a vLLM server (default, gpu_fleet, pipeline_transfer)
 # and those with one (pipeline, vllm_server, which mount the venvs that the venvs phase builds and the
@@ -12,16 +13,21 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT" || exit 1
 export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_CONFIG="$ROOT/ansible.cfg" PYTHONUNBUFFERED=1
+# what make test should take on CI's machine (2 cores); the summary warns above it
+BUDGET_SECONDS=$((35 * 60))
+LOGS="$ROOT/.cache/test-logs"
+# scripts/molecule.sh appends "seconds<TAB>molecule SCENARIO" here, the pytest phases write junit files
+export GPUFLOW_TEST_TIMES="$LOGS/times.tsv"
 
 run_phase() {
     case "$1" in
-        unit)        pytest -q tests/unit ;;
+        unit)        pytest -q --junitxml="$LOGS/junit-unit.xml" tests/unit ;;
         venvs)       python tests/integration/extract_env.py ;;
         mutation)    python tests/mutation_check.py ;;
         lint)        ansible-lint --profile production ;;
         sanity)      scripts/sanity.sh ;;
         package)     scripts/package_check.sh ;;
-        integration) pytest -q --durations=12 tests/integration ;;
+        integration) pytest -q --durations=12 --junitxml="$LOGS/junit-integration.xml" tests/integration ;;
         molecule)    scripts/molecule.sh ;;
         molecule-hosts) scripts/molecule.sh default gpu_fleet pipeline_transfer ;;
         molecule-vllm)  scripts/molecule.sh pipeline vllm_server ;;
@@ -42,6 +48,8 @@ done
 # at the end, one that was already running is left alone; then tests/leftovers.py fails the run when a
 # process it started (a server, a holder, a container) is still there.
 run_start=$(date +%s)
+mkdir -p "$LOGS"
+rm -f "$LOGS"/junit-*.xml "$GPUFLOW_TEST_TIMES"
 engine_before=0
 timeout 10 docker info > /dev/null 2>&1 && engine_before=1
 # the phases that need the engine would otherwise start it side by side
@@ -50,14 +58,12 @@ if [[ $engine_before == 0 && " ${*//+/ } " =~ \ (molecule|molecule-hosts|molecul
     GPUFLOW_DOCKERD_NICE=10 scripts/dockerd.sh start || exit 1
 fi
 
-LOGS="$ROOT/.cache/test-logs"
 summary=()
 failed=0
 start_all=$SECONDS
 for group in "$@"; do
     read -r -a phases <<< "${group//+/ }"
     background=("${phases[@]:1}")
-    mkdir -p "$LOGS"
     for phase in "${background[@]}"; do
         echo "=== phase: $phase (in the background, beside ${phases[0]}; output in $LOGS/$phase.log) ==="
         (
@@ -89,5 +95,11 @@ if python tests/leftovers.py --since "$run_start" --root "$ROOT"; then verdict=o
 summary+=("$(printf '%-12s %-7s %5ds' leftovers "$verdict" 0)")
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"
-printf '%-12s %-7s %5ds\n' total "$([[ $failed == 0 ]] && echo ok || echo FAILED)" $((SECONDS - start_all))
+total=$((SECONDS - start_all))
+printf '%-12s %-7s %5ds (budget %ds)\n' total "$([[ $failed == 0 ]] && echo ok || echo FAILED)" "$total" "$BUDGET_SECONDS"
+echo "=== the 10 slowest tests and scenarios (set-up included) ==="
+python scripts/slowest.py --top 10 "$GPUFLOW_TEST_TIMES" "$LOGS"/junit-*.xml
+if ((total > BUDGET_SECONDS)); then
+    printf 'WARNING: this run took %dm%02ds, over the %d-minute budget\n' $((total / 60)) $((total % 60)) $((BUDGET_SECONDS / 60))
+fi
 exit "$failed"
