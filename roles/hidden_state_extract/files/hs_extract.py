@@ -12,6 +12,12 @@ Runs with the speculators venv's python, around speculators 0.9.0's own commands
             filesystem; the mode (--mode auto: offline when it fits, else online) and
             what online costs instead (no bytes stored, epochs x samples target passes).
             Prints {"problems": [...]} and the figures; exit 0 either way.
+  budget    the pipeline's preflight (playbooks/preflight.yml), before any data exists: the same
+            rules and disk formula as plan, the samples from the data manifest or the inventory's
+            expectation. JSON in (--inputs), JSON out; standard library only, so it runs with
+            any python3 of the host (fed on stdin) before speculators is installed.
+  drafter   the pipeline's preflight of the training: the EAGLE-3 drafter's shape for the
+            verifier and the GPU memory its training needs, against the declared GPUs.
   smoke     one sample through the extraction server: layer count, sequence length,
             dtype and token ids of the file vLLM writes; the file is removed after.
   run       `speculators generate-offline-data` for this rank, rerun until every sample
@@ -98,19 +104,60 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+# multimodal wrappers whose text model (layers, width, vocabulary) sits under text_config
+WRAPPER_MODEL_TYPES = ("kimi_k25",)
+
+
+def text_model(cfg, where):
+    """The text model's config: under text_config in a multimodal wrapper such as Kimi-K2.5, else the config.
+    A wrapper without it is refused: its top level holds no usable geometry, and guessing would plan wrong."""
+    if cfg.get("text_config"):
+        return cfg["text_config"]
+    if cfg.get("model_type") in WRAPPER_MODEL_TYPES or cfg.get("vision_config"):
+        raise ValueError(
+            "%s is a multimodal wrapper (model_type %s, %s) without text_config, where its text model's "
+            "num_hidden_layers, hidden_size and vocab_size are read: use the checkpoint's own config.json (Kimi-K2.5 "
+            "ships one with text_config), or give vllm_server_model_path a directory whose config.json has it"
+            % (where, cfg.get("model_type"), ", ".join(cfg.get("architectures") or []) or "no architectures"))
+    return cfg
+
+
+def model_geometry(cfg, where):
+    """What the plans need of a model's config.json: layers, width, dtype and the drafter's shape inputs.
+    Raises ValueError naming the fix when the config cannot give them."""
+    text = text_model(cfg, where)
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
+                or "bfloat16").replace("torch.", "")
+    geometry = {
+        "num_hidden_layers": int(text.get("num_hidden_layers") or 0),
+        "hidden_size": int(text.get("hidden_size") or 0),
+        "max_position_embeddings": int(text.get("max_position_embeddings") or 0),
+        "torch_dtype": dtype,
+        "dtype": CONFIG_DTYPES.get(dtype, "BF16"),
+        "vocab_size": int(text.get("vocab_size") or 0),
+        # speculators' draft MLP mirrors a dense intermediate_size, else 3 x hidden (resolve_draft_intermediate_size)
+        "intermediate_size": int(text.get("intermediate_size") or 3 * int(text.get("hidden_size") or 0)),
+        "num_attention_heads": int(text.get("num_attention_heads") or 0),
+        "num_key_value_heads": int(text.get("num_key_value_heads") or text.get("num_attention_heads") or 0),
+        # transformers' DeepseekV3Config (Kimi's text model) sets head_dim to qk_rope_head_dim
+        "head_dim": int(text.get("head_dim") or text.get("qk_rope_head_dim") or 0),
+    }
+    if not geometry["num_hidden_layers"] or not geometry["hidden_size"]:
+        raise ValueError("%s gives no num_hidden_layers or hidden_size (looked at the top level and under "
+                         "text_config)" % where)
+    return geometry
+
+
 def model_config(model_dir):
-    """The text model's config (multimodal configs such as Kimi-K2.5 nest it in text_config)."""
-    cfg = read_json(os.path.join(model_dir, "config.json"))
+    """The text model's geometry from model_dir/config.json, or exit naming what is wrong."""
+    where = os.path.join(model_dir, "config.json")
+    cfg = read_json(where)
     if cfg is None:
         raise SystemExit("no readable config.json in %s" % model_dir)
-    text = cfg.get("text_config") or cfg
-    dtype = text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    return {
-        "num_hidden_layers": int(text["num_hidden_layers"]),
-        "hidden_size": int(text["hidden_size"]),
-        "max_position_embeddings": int(text.get("max_position_embeddings") or 0),
-        "dtype": CONFIG_DTYPES.get(str(dtype).replace("torch.", ""), "BF16"),
-    }
+    try:
+        return model_geometry(cfg, where)
+    except ValueError as e:
+        raise SystemExit(str(e))
 
 
 def shard_range(num_samples, world_size, rank):
@@ -256,30 +303,72 @@ def human(n):
     return str(n)
 
 
+def default_layer_ids(num_layers):
+    """speculators 0.9.0's auxiliary layers when --target-layer-ids is not given (resolve_target_layer_ids)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def capture_check(geometry, layer_ids, seq_length, max_model_len):
+    """The layer ids and the sequence length against the model: the rules the role's plan and the pipeline's
+    preflight both apply (each words them for its reader). geometry None: the model does not exist yet."""
+    listed = isinstance(layer_ids, list) and len(layer_ids) > 0 and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in layer_ids)
+    ids = layer_ids if listed else []
+    n_layers = geometry["num_hidden_layers"] if geometry else 0
+    positions = geometry["max_position_embeddings"] if geometry else 0
+    # a request is the sample plus the one token vLLM generates; vLLM's own limit is max_position_embeddings
+    server_max_len = max_model_len or positions
+    return {
+        "listed": listed,
+        "repeats": len(set(ids)) != len(ids),
+        "unordered": ids != sorted(ids),
+        "outside": [i for i in ids if i < 0 or i >= n_layers] if n_layers else [],
+        "final_listed": bool(n_layers) and n_layers in ids,
+        "num_hidden_layers": n_layers,
+        "default_layer_ids": default_layer_ids(n_layers) if n_layers else [],
+        # the final layer is always captured last
+        "capture_layer_ids": ids + [n_layers] if n_layers else ids,
+        "server_max_len": server_max_len,
+        "over_server_max_len": bool(server_max_len) and seq_length + 1 > server_max_len,
+        "over_max_model_len": bool(max_model_len) and seq_length + 1 > max_model_len,
+        "over_max_positions": bool(positions) and seq_length + 1 > positions,
+    }
+
+
+def disk_budget(storage, geometry, capture_layers, samples, tokens, existing, margin, reserve_bytes):
+    """The hidden states' disk budget of samples holding tokens: per token (storage_bytes_per_token), a header
+    per file, what is already written taken off, the margin and the reserve added."""
+    per_token = storage_bytes_per_token(storage, geometry["dtype"], capture_layers, geometry["hidden_size"])
+    predicted = tokens * per_token + HEADER_ALLOWANCE * samples
+    return {"bytes_per_token": per_token, "predicted_bytes": predicted, "existing_bytes": existing,
+            "needed_with_margin": int(max(0, predicted - existing) * (1 + margin)) + reserve_bytes,
+            "fp8_bytes": tokens * storage_bytes_per_token("fp8", geometry["dtype"], capture_layers,
+                                                          geometry["hidden_size"])}
+
+
 def cmd_plan(a):
     problems = []
     cfg = model_config(a.model)
     n_layers = cfg["num_hidden_layers"]
     aux = a.layer_ids
-    if len(set(aux)) != len(aux):
+    check = capture_check(cfg, aux, a.seq_length, a.max_model_len)
+    if check["repeats"]:
         problems.append("layer ids %s contain duplicates" % aux)
-    if n_layers in aux:
+    if check["final_listed"]:
         problems.append("layer id %d (num_hidden_layers) is the final layer, which is always captured last; "
                         "list only the auxiliary layers" % n_layers)
-    bad = [i for i in aux if i < 0 or i >= n_layers]
-    if bad:
+    if check["outside"]:
         problems.append("layer ids %s are out of range for a model with num_hidden_layers=%d "
-                        "(auxiliary ids must be within 0..%d)" % (bad, n_layers, n_layers - 1))
-    if aux != sorted(aux):
+                        "(auxiliary ids must be within 0..%d)" % (check["outside"], n_layers, n_layers - 1))
+    if check["unordered"]:
         problems.append("layer ids %s must be in increasing order" % aux)
-    capture = aux + [n_layers]
-    max_len = a.max_model_len or cfg["max_position_embeddings"]
-    # a request is the sample plus the one token vLLM generates
-    if max_len and a.seq_length + 1 > max_len:
+    capture = check["capture_layer_ids"]
+    max_len = check["server_max_len"]
+    if check["over_server_max_len"]:
         problems.append("seq_length %d does not fit the server's max model length %d (a request needs "
                         "seq_length + 1 tokens); lower hidden_state_extract_seq_length or raise "
                         "vllm_server_max_model_len" % (a.seq_length, max_len))
-    if cfg["max_position_embeddings"] and a.seq_length + 1 > cfg["max_position_embeddings"]:
+    if check["over_max_positions"]:
         problems.append("seq_length %d is above the model's max_position_embeddings %d"
                         % (a.seq_length, cfg["max_position_embeddings"]))
 
@@ -287,12 +376,11 @@ def cmd_plan(a):
     lengths = [int(x) for x in ds["seq_len"]]
     start, end = shard_range(len(lengths), a.world_size, a.rank)
     shard_lengths = lengths[start:end]
-    per_token = storage_bytes_per_token(a.storage, cfg["dtype"], len(capture), cfg["hidden_size"])
-    predicted = sum(shard_lengths) * per_token + HEADER_ALLOWANCE * len(shard_lengths)
     present = list_hs(a.hs_dir)
     existing = sum(size for i, size in present.items() if start <= i < end)
-    needed = max(0, predicted - existing)
-    with_margin = int(needed * (1 + a.margin)) + a.reserve_bytes
+    budget = disk_budget(a.storage, cfg, len(capture), len(shard_lengths), sum(shard_lengths), existing, a.margin,
+                         a.reserve_bytes)
+    per_token, predicted, with_margin = budget["bytes_per_token"], budget["predicted_bytes"], budget["needed_with_margin"]
     st = os.statvfs(existing_dir(a.hs_dir))
     free = st.f_bavail * st.f_frsize
     # online: no hidden states are kept, but the target runs again for every sample of every epoch
@@ -304,7 +392,6 @@ def cmd_plan(a):
     fits = with_margin <= free
     budget_problem = None
     if not fits:
-        fp8_bytes = sum(shard_lengths) * storage_bytes_per_token("fp8", cfg["dtype"], len(capture), cfg["hidden_size"])
         budget_problem = (
             "disk budget: this shard needs %s (%d samples, %d tokens x %d layers x hidden %d x %s per value = "
             "%s, %s already written, margin %d%%, reserve %s) but %s has %s free. Ways out: "
@@ -313,7 +400,7 @@ def cmd_plan(a):
             % (human(with_margin), len(shard_lengths), sum(shard_lengths), len(capture), cfg["hidden_size"],
                "1 byte" if a.storage == "fp8" else "%d bytes" % DTYPE_BYTES[cfg["dtype"]], human(predicted),
                human(existing), int(a.margin * 100), human(a.reserve_bytes), a.hs_dir, human(free),
-               human(fp8_bytes) if a.storage != "fp8" else "already fp8", online_note))
+               human(budget["fp8_bytes"]) if a.storage != "fp8" else "already fp8", online_note))
     if a.mode == "auto":
         mode = "offline" if fits else "online"
         mode_reason = ("auto: offline fits (%s needed, %s free)" % (human(with_margin), human(free)) if fits else
@@ -340,6 +427,205 @@ def cmd_plan(a):
                      "needed_with_margin": with_margin, "free_bytes": free, "storage": a.storage,
                      "dtype": "F8_E4M3" if a.storage == "fp8" else cfg["dtype"]},
           "max_model_len": max_len})
+    return 0
+
+
+# ----------------------------------------------------------------------------- budget (the pipeline's preflight)
+def planned_samples(data_manifest, expected_samples, include_truncated, max_samples):
+    """(samples, token ceiling or None, where the count came from) before any dataset is prepared: a complete
+    data manifest's rows (and truncated rows when they are extracted too), else the inventory's expectation."""
+    data = read_json(data_manifest, {}) if data_manifest else {}
+    if data.get("status") == "complete":
+        counts = data.get("counts", {})
+        samples = int(counts.get("rows", 0)) + (int(counts.get("truncated", 0)) if include_truncated else 0)
+        tokens, source = int(data.get("tokens", {}).get("total", 0)), "the data manifest " + data_manifest
+    else:
+        samples, tokens, source = int(expected_samples), None, "gpuflow_expected_samples" if expected_samples else ""
+    return (min(samples, max_samples) if max_samples > 0 else samples), tokens, source
+
+
+def cmd_budget(a):
+    """The pipeline preflight's checks of the extraction, on the extract host, before any data exists: the model's
+    geometry, the layer ids, the sequence length and the disk budget, by the plan's own rules and formula.
+    Input: one JSON object (--inputs); output: the figures and the problems of each check, in the preflight's
+    words (it names inventory variables). Changes nothing."""
+    i = json.loads(a.inputs)
+    out = {"model": None, "model_problems": [], "layer_problems": [], "sequence_problems": [], "disk": None,
+           "disk_problems": []}
+    geometry = None
+    if i["model"]:
+        where = os.path.join(i["model"], "config.json")
+        try:
+            geometry = model_geometry(read_json(where, {}), where)
+        except ValueError as e:
+            out["model_problems"].append(str(e))
+            emit(out)
+            return 0
+    out["model"] = geometry
+    ids, seq_length, max_model_len = i["layer_ids"], i["seq_length"], i["max_model_len"]
+    check = out["layers"] = capture_check(geometry, ids, seq_length, max_model_len)
+    n_layers = check["num_hidden_layers"]
+    if not check["listed"]:
+        example = ((check["default_layer_ids"], "this %d-layer model" % n_layers) if n_layers
+                   else (default_layer_ids(61), "a 61-layer model such as Kimi-K2.5"))
+        out["layer_problems"].append(
+            "hidden_state_extract_layer_ids must be a non-empty list of integers, the auxiliary layers to capture "
+            "(e.g. %s, speculators' default for %s); got %s" % (example + (json.dumps(ids),)))
+    elif check["repeats"] or check["unordered"]:
+        out["layer_problems"].append("hidden_state_extract_layer_ids %s must be increasing, without repeats"
+                                     % json.dumps(ids))
+    if check["outside"]:
+        out["layer_problems"].append(
+            "layer ids %s are outside 0..%d: %s has num_hidden_layers %d (the final layer %d is always captured, "
+            "do not list it)" % (json.dumps(check["outside"]), n_layers - 1, i["model"], n_layers, n_layers))
+    if check["over_max_model_len"]:
+        out["sequence_problems"].append(
+            "hidden_state_extract_seq_length %d does not fit vllm_server_max_model_len %d (a request is seq_length "
+            "+ 1 tokens); lower the first or raise the second" % (seq_length, max_model_len))
+    if check["over_max_positions"]:
+        out["sequence_problems"].append("hidden_state_extract_seq_length %d + 1 is above the model's "
+                                        "max_position_embeddings %d" % (seq_length, geometry["max_position_embeddings"]))
+    if geometry is None or out["layer_problems"]:
+        emit(out)
+        return 0
+
+    manifest = os.path.join(i["out_dir"], "MANIFEST.json")
+    if read_json(manifest, {}).get("status") == "complete":
+        out["disk"] = {"extracted": True, "manifest": manifest}
+        emit(out)
+        return 0
+    samples, token_ceiling, source = planned_samples(i["data_manifest"], i["expected_samples"],
+                                                     i["include_truncated"], i["max_samples"])
+    start, end = shard_range(samples, i["world_size"], i["rank"])
+    # each sample at most seq_length tokens, or the manifest's count when smaller
+    tokens = (end - start) * seq_length if token_ceiling is None else min((end - start) * seq_length, token_ceiling)
+    existing = sum(size for n, size in list_hs(i["hs_dir"]).items() if start <= n < end)
+    disk = out["disk"] = disk_budget(i["storage"], geometry, len(check["capture_layer_ids"]), end - start, tokens,
+                                     existing, i["margin"], i["reserve_bytes"])
+    if i["free_bytes"] > 0:
+        free, free_from = i["free_bytes"], "gpuflow_disk_free_bytes"
+    else:
+        nearest = existing_dir(i["hs_dir"])
+        st = os.statvfs(nearest)
+        free, free_from = st.f_bavail * st.f_frsize, "the filesystem of " + nearest
+    disk.update(extracted=False, source=source, samples=end - start, tokens=tokens, free=free, free_from=free_from,
+                shard="every shard, shared work dir" if i["shared"] else "shard %d/%d" % (i["rank"], i["world_size"]))
+    # online stores no hidden states; auto goes online when they do not fit (the role's plan decides)
+    if source and i["mode"] == "offline" and disk["needed_with_margin"] > free:
+        out["disk_problems"].append(
+            "disk budget. The hidden states of %d samples (%s, planned from %s) need %d bytes (%.1f GB: up to %d "
+            "tokens x %d bytes, %d layers x hidden %d, less %d bytes already written, plus the margin %s) but only "
+            "%d bytes (%.1f GB) are free on %s for %s. Ways out: hidden_state_extract_storage fp8 (about %.1f GB), "
+            "fewer samples (hidden_state_extract_max_samples), a shorter hidden_state_extract_seq_length, or "
+            "gpuflow_work_dir on a larger filesystem."
+            % (end - start, disk["shard"], source, disk["needed_with_margin"], disk["needed_with_margin"] / 1e9,
+               tokens, disk["bytes_per_token"], len(check["capture_layer_ids"]), geometry["hidden_size"], existing,
+               i["margin"], free, free / 1e9, free_from, i["hs_dir"], disk["fp8_bytes"] / 1e9))
+    emit(out)
+    return 0
+
+
+# ----------------------------------------------------------------------------- drafter (the pipeline's preflight)
+# speculators 0.9.0 trains each draft position this many times per step (test-time training steps)
+TTT_STEPS = 3
+# the CUDA caching allocator's reserve over what tensors hold, and the CUDA context: fitted to the one measured
+# training (research/h200_training_probe.md: 9.6 GB allocated, 12,664 MiB nvidia-smi peak)
+ALLOCATOR_RESERVE = 0.3
+CUDA_CONTEXT_BYTES = 1 << 30
+
+
+def drafter_shape(geometry, draft_vocab_size, aux_layers):
+    """The EAGLE-3 drafter speculators 0.9.0 builds for this verifier (one Llama decoder layer at the verifier's
+    width): its dimensions and parameter counts. Trainable: fc (aux x hidden -> hidden), the layer (q/k/v take
+    2 x hidden: the token embedding and the hidden state), the norms. Frozen: the verifier's embeddings, the
+    draft lm_head and the teacher's (both draft vocab x hidden, rows of the verifier's lm_head), its final norm."""
+    h, inter = geometry["hidden_size"], geometry["intermediate_size"]
+    heads, kv_heads = geometry["num_attention_heads"], geometry["num_key_value_heads"]
+    head_dim = geometry["head_dim"] or h // heads
+    vocab = geometry["vocab_size"]
+    draft_vocab = draft_vocab_size or vocab
+    attn, kv = heads * head_dim, kv_heads * head_dim
+    trainable = {"fc": aux_layers * h * h,
+                 "attention": 2 * h * attn + 2 * (2 * h * kv) + attn * h,
+                 "mlp": 3 * h * inter,
+                 # input, hidden and post-attention norms of the layer, the output norm, the norm before fc
+                 "norms": 4 * h + aux_layers * h}
+    frozen = {"embed_tokens": vocab * h, "lm_heads": 2 * draft_vocab * h, "verifier_norm": h}
+    return {"hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim, "verifier_vocab_size": vocab,
+            "draft_vocab_size": draft_vocab, "aux_layers": aux_layers, "trainable": trainable, "frozen": frozen,
+            "trainable_parameters": sum(trainable.values()), "frozen_parameters": sum(frozen.values())}
+
+
+def drafter_train_memory(shape, total_seq_len, world_size=1, fsdp_shard=False, gradient_checkpointing=False):
+    """Bytes one GPU holds at the peak of a training step of this drafter (speculators 0.9.0, bf16 autocast).
+    States: every parameter in fp32, fp32 gradients and AdamW's two fp32 moments for the trainable ones
+    (speculators' default Muon keeps one for its matrices: this is the bound), DDP's flat gradient copy, the bf16
+    copies autocast makes of the matrices it multiplies; fsdp_shard splits the states over the world and gathers
+    bf16 weights instead. Activations, per token of total_seq_len: for each TTT step the layer's saved tensors
+    (bf16, the norms' fp32), the draft logits in bf16 and their fp32 log-probabilities; once, the teacher's
+    targets and the inputs. Checked against the H200 probe (tests/unit): 9.6 GB allocated, 12,664 MiB peak."""
+    h, inter, vd = shape["hidden_size"], shape["intermediate_size"], shape["draft_vocab_size"]
+    attn, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    trainable, every = shape["trainable_parameters"], shape["trainable_parameters"] + shape["frozen_parameters"]
+    shards = world_size if fsdp_shard else 1
+    states = {"weights": 4 * every // shards, "gradients": 4 * trainable // shards,
+              "optimizer": 8 * trainable // shards,
+              "ddp_buckets": 0 if fsdp_shard else 4 * trainable,
+              "bf16_copies": 2 * every if fsdp_shard else 2 * (trainable + shape["frozen"]["lm_heads"])}
+    layer = 30 * h + 4 * attn + 4 * kv + 8 * inter
+    logits = 6 * vd
+    once = 6 * vd + 22 * h
+    # checkpointing keeps each step's layer input (2 x hidden, bf16) and recomputes one step's layer at a time
+    per_token = (TTT_STEPS * (4 * h + logits) + layer if gradient_checkpointing
+                 else TTT_STEPS * (layer + logits)) + once
+    allocated = sum(states.values()) + total_seq_len * per_token
+    return {"states": states, "states_bytes": sum(states.values()), "activation_bytes": total_seq_len * per_token,
+            "allocated_bytes": allocated, "peak_bytes": int(allocated * (1 + ALLOCATOR_RESERVE)) + CUDA_CONTEXT_BYTES}
+
+
+def cmd_drafter(a):
+    """The pipeline preflight's check of the training, on a train host: the drafter's shape from the verifier's
+    config.json (text_config in a wrapper) and the GPU memory its training needs, against the declared memory
+    per GPU. Input: one JSON object (--inputs); output: the figures and the problems. Changes nothing."""
+    i = json.loads(a.inputs)
+    where = os.path.join(i["verifier"], "config.json")
+    try:
+        geometry = model_geometry(read_json(where, {}), where)
+    except ValueError as e:
+        emit({"problems": [str(e)]})
+        return 0
+    shape = drafter_shape(geometry, i["draft_vocab_size"], i["aux_layers"])
+    world = i["gpus_per_node"] * i["nodes"]
+
+    def need(**change):
+        args = dict(world_size=world, fsdp_shard=i["fsdp_shard"], gradient_checkpointing=i["gradient_checkpointing"])
+        args.update(change)
+        return drafter_train_memory(shape, i["total_seq_len"], **args)
+
+    memory = need()
+    problems = []
+    gib = float(1 << 30)
+    available = i["gpu_memory_mib"] << 20
+    if available and memory["peak_bytes"] > available:
+        ways = ["a shorter eagle3_train_total_seq_len (%d: %.1f GiB)"
+                % (i["total_seq_len"] // 2, drafter_train_memory(
+                    shape, i["total_seq_len"] // 2, world, i["fsdp_shard"], i["gradient_checkpointing"])["peak_bytes"] / gib)]
+        if not i["gradient_checkpointing"]:
+            ways.append("eagle3_train_gradient_checkpointing: true (%.1f GiB)"
+                        % (need(gradient_checkpointing=True)["peak_bytes"] / gib))
+        if not i["fsdp_shard"] and world > 1:
+            ways.append("eagle3_train_fsdp_shard: true, the states split over %d GPUs (%.1f GiB)"
+                        % (world, need(fsdp_shard=True)["peak_bytes"] / gib))
+        problems.append(
+            "training the drafter (hidden %d, draft vocab %d of %d) needs about %.1f GiB per GPU (weights, gradients "
+            "and AdamW states %.1f GiB, activations of eagle3_train_total_seq_len %d tokens %.1f GiB, allocator "
+            "and CUDA context) but gpuflow_gpu_memory_mib declares %d MiB (%.1f GiB) per GPU. Ways out: %s, or GPUs "
+            "with more memory."
+            % (shape["hidden_size"], shape["draft_vocab_size"], shape["verifier_vocab_size"],
+               memory["peak_bytes"] / gib, memory["states_bytes"] / gib, i["total_seq_len"],
+               memory["activation_bytes"] / gib, i["gpu_memory_mib"], available / gib, ", ".join(ways)))
+    emit({"problems": problems, "shape": shape, "memory": memory, "world_size": world})
     return 0
 
 
@@ -765,6 +1051,10 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=1, help="training epochs: what online mode costs")
     shard_args(p)
 
+    for name in ("budget", "drafter"):
+        p = sub.add_parser(name)
+        p.add_argument("--inputs", required=True, help="JSON object: what playbooks/preflight.yml gives")
+
     p = sub.add_parser("smoke")
     p.add_argument("--endpoint", required=True)
     p.add_argument("--served-model", required=True)
@@ -840,8 +1130,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if getattr(a, "world_size", 1) < 1 or not 0 <= getattr(a, "rank", 0) < getattr(a, "world_size", 1):
         ap.error("--rank must be within 0..world_size-1")
-    return {"prepare": cmd_prepare, "plan": cmd_plan, "smoke": cmd_smoke, "run": cmd_run, "status": cmd_status,
-            "wait": cmd_wait, "validate": cmd_validate, "finish": cmd_finish, "check": cmd_check,
+    return {"prepare": cmd_prepare, "plan": cmd_plan, "budget": cmd_budget, "drafter": cmd_drafter, "smoke": cmd_smoke,
+            "run": cmd_run, "status": cmd_status, "wait": cmd_wait, "validate": cmd_validate, "finish": cmd_finish, "check": cmd_check,
             "serve-manifest": cmd_serve_manifest, "release": cmd_release}[a.cmd](a)
 
 
