@@ -14,8 +14,15 @@ Shape (vLLM-CPU constraints, see research/vllm_ops.md 5.3): Llama, 4 layers,
 hidden 256, 4 heads / 2 KV heads (head_dim 64), vocabulary 2048 (larger than the
 tokenizer so speculators can add a mask token), bf16, untied embeddings.
 
+``--arch kimi_k2`` / ``--arch kimi_k25`` make Kimi's architecture instead (tools/tiny_kimi.py
+says what they hold): the DeepSeek-V3 text model alone, or inside the Kimi-K2.5 vision wrapper, with
+routed experts INT4 (``--experts int4``, compressed-tensors pack-quantized, the H200 build) or
+bf16 (``--experts bf16``, the default: the CPU build), and a tiktoken tokenizer loaded through
+remote code (``trust_remote_code``). The llama build (the default) is unchanged by these options.
+
 Usage:
-  python make_tiny_model.py OUT_DIR [--prompts FILE --num-prompts N] [--seed S]
+  python make_tiny_model.py OUT_DIR [--arch llama|kimi_k2|kimi_k25] [--experts bf16|int4]
+                            [--prompts FILE --num-prompts N] [--seed S]
 
 Idempotent: when OUT_DIR/tiny_model.json records the same parameters and the files
 are present, nothing is rewritten (exit 0, prints {"changed": false}). Needs torch,
@@ -140,12 +147,18 @@ def build(out, p):
     gen = {"bos_token_id": hf_tok.bos_token_id, "eos_token_id": hf_tok.eos_token_id,
            "pad_token_id": hf_tok.pad_token_id}
     atomic_write(os.path.join(tmp, "generation_config.json"), json.dumps(gen, indent=1))
+    info = {"params": p, "tokenizer_size": len(hf_tok),
+            "n_params": sum(t.numel() for t in model.parameters())}
+    return publish(tmp, out, info)
+
+
+def publish(tmp, out, info):
+    """Record the files' hashes in tmp/tiny_model.json, then put tmp in place of out."""
     files = {}
     for fn in sorted(os.listdir(tmp)):
         with open(os.path.join(tmp, fn), "rb") as f:
             files[fn] = hashlib.sha256(f.read()).hexdigest()
-    info = {"params": p, "files": files, "tokenizer_size": len(hf_tok),
-            "n_params": sum(t.numel() for t in model.parameters())}
+    info = dict(info, files=files)
     atomic_write(os.path.join(tmp, "tiny_model.json"), json.dumps(info, indent=1, sort_keys=True))
     os.chmod(tmp, 0o755)
     for fn in os.listdir(tmp):
@@ -175,19 +188,35 @@ def is_current(out, p):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
+    ap.add_argument("--arch", choices=("llama", "kimi_k2", "kimi_k25"), default="llama")
+    ap.add_argument("--experts", choices=("bf16", "int4"), default="bf16",
+                    help="routed experts of the Kimi builds: bf16 (vllm-cpu) or compressed-tensors INT4 (GPU)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--think-boost", type=float, default=2.0,
-                    help="norm of the lm_head row of </think> (random rows are about 0.3)")
-    ap.add_argument("--end-boost", type=float, default=8.0,
-                    help="norm of the lm_head row of <|end|> (the end-of-turn token)")
+    ap.add_argument("--think-boost", type=float,
+                    help="norm of the lm_head row of </think> (random rows are about 0.3; default 2.0, Kimi -2.0: "
+                         "a negative norm turns the row against its random draw)")
+    ap.add_argument("--end-boost", type=float,
+                    help="norm of the lm_head row of the end-of-turn token (<|end|>, Kimi's <|im_end|>; "
+                         "default 8.0, Kimi -6.0)")
     ap.add_argument("--prompts", help="also write a prompt set (JSONL, id + conversations) here")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--force", action="store_true")
     a = ap.parse_args()
-    p = params_of(a)
+    boosts = (2.0, 8.0) if a.arch == "llama" else (-2.0, -6.0)
+    a.think_boost = boosts[0] if a.think_boost is None else a.think_boost
+    a.end_boost = boosts[1] if a.end_boost is None else a.end_boost
+    if a.arch == "llama":
+        p = params_of(a)
+        make = build
+    else:
+        import tiny_kimi
+        p = tiny_kimi.params_of(a)
+
+        def make(out, p):
+            return tiny_kimi.build(out, p, random.Random(p["seed"]))
     changed = False
     if a.force or not is_current(a.out, p):
-        build(a.out, p)
+        make(a.out, p)
         changed = True
     if a.prompts:
         want = a.num_prompts
