@@ -101,11 +101,15 @@ def run_pipeline(a, inv):
     log = os.path.join(a.work, "pipeline-%s.log" % time.strftime("%H%M%S"))
     t0 = time.monotonic()
     with open(log, "w") as f:
-        p = subprocess.run(ansible_bin("ansible-playbook") + ["-i", inv, os.path.join(REPO, "playbooks", "pipeline.yml")],
-                           cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout, check=False)
+        try:
+            rc = subprocess.run(ansible_bin("ansible-playbook") + ["-i", inv, os.path.join(REPO, "playbooks", "pipeline.yml")],
+                                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
+                                check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124  # recorded as a run cut short: the next command resumes it
     with open(log) as f:
         out = f.read()
-    return p.returncode, round(time.monotonic() - t0, 1), out, log
+    return rc, round(time.monotonic() - t0, 1), out, log
 
 
 def load(path):
@@ -210,7 +214,9 @@ def main():
     rc, wall, out, log = run_pipeline(a, inv)
     res = checks(a, work, gv, rc)
     previous = load(a.out) if os.path.exists(a.out) else {}
-    runs = previous.get("runs", []) + [{"rc": rc, "wall_s": wall, "log": os.path.basename(log)}]
+    # each run's stage statuses: a resumed run's "skipped" says only that an earlier run had finished the stage
+    runs = previous.get("runs", []) + [{"rc": rc, "wall_s": wall, "log": os.path.basename(log),
+                                        "stage_status": {k: v["status"] for k, v in res["stages"].items()}}]
     name = "pipeline_h200" if a.arch == "llama" else "pipeline_kimi_h200"
     result = {"name": name if a.device == "cuda" else name.replace("h200", "cpu_rehearsal"),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "commit": commit(),
