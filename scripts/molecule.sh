@@ -21,6 +21,16 @@ ACTION=${MOLECULE_ACTION:-test}
 
 say() { printf '[molecule.sh] %s\n' "$*" >&2; }
 fmt() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+stamp_steps() {
+  python3 -u -c '
+import sys, time
+start = time.monotonic()
+for line in sys.stdin:
+    if line.startswith("INFO") and " > " in line:
+        line = "[+%4ds] %s" % (time.monotonic() - start, line)
+    sys.stdout.write(line)
+'
+}
 
 cd "$ROOT" || exit 1
 if [ ! -x "$VENV/bin/molecule" ]; then
@@ -76,8 +86,9 @@ failed=0
 for s in "${scenarios[@]}"; do
   say "=== molecule $ACTION -s $s ==="
   start=$(date +%s)
-  molecule "$ACTION" -s "$s"
-  rc=$?
+  # molecule's step lines ("INFO [scenario > step] ...") carry the seconds since the scenario began
+  molecule "$ACTION" -s "$s" 2>&1 | stamp_steps
+  rc=${PIPESTATUS[0]}
   seconds=$(($(date +%s) - start))
   took=$(fmt "$seconds")
   [ -n "${GPUFLOW_TEST_TIMES:-}" ] && printf '%d\tmolecule %s\n' "$seconds" "$s" >>"$GPUFLOW_TEST_TIMES"

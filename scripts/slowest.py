@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Print the slowest tests of a make test run: pytest's junit files (a test's time includes the set-up of
 the fixtures it was first to use) and the "seconds<TAB>name" lines scripts/molecule.sh appends."""
 import argparse
@@ -15,7 +14,7 @@ def junit_times(path):
 def tsv_times(path):
     with open(path) as f:
         for line in f:
-            seconds, _, name = line.rstrip("\n").partition("\t")
+            seconds, name = (line.rstrip("\n").split("\t", 1) + [""])[:2]
             if name:
                 yield float(seconds), name
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Run test phases in order, time each, print a summary (each phase's wall time, the 10 slowest tests
 # and molecule scenarios, the total against the 35-minute budget); exit non-zero if any phase failed.
-# Phases: unit venvs mutation lint sanity package integration molecule controller-next; molecule-hosts and
-# molecule-vllm split molecule in two: the scenarios without a vLLM server (default, gpu_fleet, pipeline_transfer)
-# and those with one (pipeline, vllm_server, which mount the venvs that the venvs phase builds and the
-# integration tests share). controller-next: the newest ansible-core on Python 3.13 in a trixie container
-# (unit, sanity, molecule default; scripts/controller_next.sh), its molecule part taking turns with the others.
-# A group a+b+c runs its phases at once: a in the foreground, the others in the background with
-# their output kept in .cache/test-logs/<phase>.log and printed once the group has ended (the light
-# phases beside the long integration phase, where a second core is mostly idle).
+# Phases: unit venvs mutation lint sanity package integration molecule controller-next.
+# - integration splits in two: integration-vllm, the modules marked `venvs` (real vLLM and speculators in the
+#   shared venvs that the venvs phase builds), and integration-quick, the rest (which need no venvs).
+# - molecule splits in two: molecule-hosts, the scenarios without a vLLM server (default, gpu_fleet,
+#   pipeline_transfer), and molecule-vllm, those with one (pipeline, vllm_server, which mount the venvs).
+# - controller-next: the newest ansible-core on Python 3.13 in a trixie container (unit, sanity, molecule
+#   default; scripts/controller_next.sh), its molecule part taking turns with the others.
+# A group a+b+c runs its phases at once: a in the foreground, the others in the background, at nice 10, with
+# their output kept in .cache/test-logs/<phase>.log and printed at the end. The next group starts when a ends;
+# background phases run on to the end of the run, so a later group must not need them (a group's background
+# phases fill the CPU that its foreground phase leaves idle: downloads in venvs, waits in integration).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT" || exit 1
@@ -27,7 +30,9 @@ run_phase() {
         lint)        ansible-lint --profile production ;;
         sanity)      scripts/sanity.sh ;;
         package)     scripts/package_check.sh ;;
-        integration) pytest -q --durations=12 --junitxml="$LOGS/junit-integration.xml" tests/integration ;;
+        integration) pytest -q --durations=12 --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
+        integration-quick) pytest -q -m "not venvs" --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
+        integration-vllm)  pytest -q -m venvs --durations=12 --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
         molecule)    scripts/molecule.sh ;;
         molecule-hosts) scripts/molecule.sh default gpu_fleet pipeline_transfer ;;
         molecule-vllm)  scripts/molecule.sh pipeline vllm_server ;;
@@ -38,7 +43,8 @@ run_phase() {
 for group in "$@"; do
     for phase in ${group//+/ }; do
         case "$phase" in
-            unit|venvs|mutation|lint|sanity|package|integration|molecule|molecule-hosts|molecule-vllm|controller-next) ;;
+            unit|venvs|mutation|lint|sanity|package|integration|integration-quick|integration-vllm) ;;
+            molecule|molecule-hosts|molecule-vllm|controller-next) ;;
             *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
         esac
     done
@@ -61,11 +67,13 @@ fi
 summary=()
 failed=0
 start_all=$SECONDS
+background_all=()
 for group in "$@"; do
     read -r -a phases <<< "${group//+/ }"
     background=("${phases[@]:1}")
+    background_all+=("${background[@]}")
     for phase in "${background[@]}"; do
-        echo "=== phase: $phase (in the background, beside ${phases[0]}; output in $LOGS/$phase.log) ==="
+        echo "=== phase: $phase (in the background, from ${phases[0]} on; output in $LOGS/$phase.log) ==="
         (
             # below the foreground phase: integration's critical path (venv builds, vLLM start-up,
             # training) keeps the CPU, the background phases take what it leaves idle
@@ -79,24 +87,24 @@ for group in "$@"; do
     echo "=== phase: $phase ==="
     start=$SECONDS
     if run_phase "$phase"; then verdict=ok; else verdict=FAILED; failed=1; fi
-    summary+=("$(printf '%-12s %-7s %5ds' "$phase" "$verdict" $((SECONDS - start)))")
-    wait
-    for phase in "${background[@]}"; do
-        echo "=== phase: $phase (ran in the background) ==="
-        cat "$LOGS/$phase.log"
-        read -r verdict seconds < "$LOGS/$phase.result"
-        [[ $verdict == ok ]] || failed=1
-        summary+=("$(printf '%-12s %-7s %5ds' "$phase" "$verdict" "$seconds")")
-    done
+    summary+=("$(printf '%-16s %-7s %5ds' "$phase" "$verdict" $((SECONDS - start)))")
+done
+wait
+for phase in "${background_all[@]}"; do
+    echo "=== phase: $phase (ran in the background) ==="
+    cat "$LOGS/$phase.log"
+    read -r verdict seconds < "$LOGS/$phase.result"
+    [[ $verdict == ok ]] || failed=1
+    summary+=("$(printf '%-16s %-7s %5ds' "$phase" "$verdict" "$seconds")")
 done
 echo "=== phase: leftovers ==="
 [[ $engine_before == 1 ]] || scripts/dockerd.sh stop
 if python tests/leftovers.py --since "$run_start" --root "$ROOT"; then verdict=ok; else verdict=FAILED; failed=1; fi
-summary+=("$(printf '%-12s %-7s %5ds' leftovers "$verdict" 0)")
+summary+=("$(printf '%-16s %-7s %5ds' leftovers "$verdict" 0)")
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"
 total=$((SECONDS - start_all))
-printf '%-12s %-7s %5ds (budget %ds)\n' total "$([[ $failed == 0 ]] && echo ok || echo FAILED)" "$total" "$BUDGET_SECONDS"
+printf '%-16s %-7s %5ds (budget %ds)\n' total "$([[ $failed == 0 ]] && echo ok || echo FAILED)" "$total" "$BUDGET_SECONDS"
 echo "=== the 10 slowest tests and scenarios (set-up included) ==="
 python scripts/slowest.py --top 10 "$GPUFLOW_TEST_TIMES" "$LOGS"/junit-*.xml
 if ((total > BUDGET_SECONDS)); then

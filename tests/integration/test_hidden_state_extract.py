@@ -19,7 +19,7 @@ import pytest
 from extract_env import GPU_SIM, SPEC_VENV, extraction_setup, inventory, stop_leftovers
 from vllm_localhost import REPO, free_port, run_playbook
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.venvs]
 SAMPLES = 48
 TRUNCATED = 8
 

@@ -29,6 +29,8 @@ from extract_env import SPEC_VENV, ensure_wheelhouses
 from report_screenshot import figure_blue_share, non_white_share, screenshot
 from vllm_localhost import CACHE, PLAYBOOK_BIN, REPO, VENV, free_port
 
+pytestmark = [pytest.mark.slow, pytest.mark.venvs]
+
 ROOT = os.path.join(CACHE, "it", "pipeline")
 WORK = os.path.join(ROOT, "share", "gpuflow")
 REPORT = os.path.join(WORK, "report")
@@ -37,7 +39,7 @@ SECTIONS = ["timeline", "handoffs", "data", "disk", "training", "evaluation", "r
 
 
 RUN_AS = "gpuflow-it"
-EPOCHS = 3
+EPOCHS = 2
 
 
 def run_as():
@@ -78,7 +80,7 @@ def pipeline(log_name, background=False, **overrides):
              "hidden_state_extract_port": PORTS[0], "drafter_eval_port": PORTS[1],
              # the server stopped by hand ends the data client's run after 10 s of refused connections
              "synthetic_data_server_gone_after": 10,
-             # half the local default's epochs: the drafter only has to be made, loaded and drafting
+             # a third of the local default's epochs: the drafter only has to be made, loaded and drafting
              "eagle3_train_epochs": EPOCHS, **overrides}
     ev = os.path.join(ROOT, "extra_vars.json")
     with open(ev, "w") as f:

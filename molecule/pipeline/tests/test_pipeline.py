@@ -83,7 +83,8 @@ def test_second_run_skipped_every_stage_and_moved_nothing(report, rerun_report):
 def test_drafter_was_evaluated_on_the_inference_host():
     ev = read_json("inference-1", WORK + "/eval/default/MANIFEST.json")
     assert ev["status"] == "complete" and ev["speculative"]["drafts"] > 0
-    assert ev["baseline"]["completion_tokens"] == ev["speculative"]["completion_tokens"] > 0
+    # the speculative pass alone (drafter_eval_baseline: false): the baseline is test_pipeline_local's
+    assert ev["speculative"]["completion_tokens"] > 0 and not ev.get("baseline")
 
 
 def test_report_page_was_written_on_the_controller():
