@@ -92,7 +92,7 @@ for s in "${scenarios[@]}"; do
   seconds=$(($(date +%s) - start))
   took=$(fmt "$seconds")
   [ -n "${GPUFLOW_TEST_TIMES:-}" ] && printf '%d\tmolecule %s\n' "$seconds" "$s" >>"$GPUFLOW_TEST_TIMES"
-  if [ $rc -eq 0 ]; then
+  if [ "$rc" -eq 0 ]; then
     report+=("$s|passed|$took")
   else
     report+=("$s|FAILED (rc=$rc)|$took"); failed=1
