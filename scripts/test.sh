@@ -66,6 +66,7 @@ fi
 
 summary=()
 failed=0
+failed_phases=()
 start_all=$SECONDS
 background_all=()
 for group in "$@"; do
@@ -86,27 +87,33 @@ for group in "$@"; do
     phase=${phases[0]}
     echo "=== phase: $phase ==="
     start=$SECONDS
-    if run_phase "$phase"; then verdict=ok; else verdict=FAILED; failed=1; fi
+    run_phase "$phase" 2>&1 | tee "$LOGS/$phase.log"
+    if [[ ${PIPESTATUS[0]} == 0 ]]; then verdict=ok; else verdict=FAILED; failed=1; fi
     summary+=("$(printf '%-16s %-7s %5ds' "$phase" "$verdict" $((SECONDS - start)))")
+    [[ $verdict == ok ]] || failed_phases+=("$phase")
 done
 wait
 for phase in "${background_all[@]}"; do
     echo "=== phase: $phase (ran in the background) ==="
     cat "$LOGS/$phase.log"
     read -r verdict seconds < "$LOGS/$phase.result"
-    [[ $verdict == ok ]] || failed=1
+    [[ $verdict == ok ]] || { failed=1; failed_phases+=("$phase"); }
     summary+=("$(printf '%-16s %-7s %5ds' "$phase" "$verdict" "$seconds")")
 done
 echo "=== phase: leftovers ==="
 [[ $engine_before == 1 ]] || scripts/dockerd.sh stop
 if python tests/leftovers.py --since "$run_start" --root "$ROOT"; then verdict=ok; else verdict=FAILED; failed=1; fi
 summary+=("$(printf '%-16s %-7s %5ds' leftovers "$verdict" 0)")
+# CI shows only the tail of the output: each failed phase's last lines come again here
+for phase in "${failed_phases[@]}"; do
+    echo "=== the end of failed phase $phase's output ($LOGS/$phase.log) ==="
+    tail -n 25 "$LOGS/$phase.log"
+done
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"
 total=$((SECONDS - start_all))
 printf '%-16s %-7s %5ds (budget %ds)\n' total "$([[ $failed == 0 ]] && echo ok || echo FAILED)" "$total" "$BUDGET_SECONDS"
-echo "=== the 10 slowest tests and scenarios (set-up included) ==="
-python scripts/slowest.py --top 10 "$GPUFLOW_TEST_TIMES" "$LOGS"/junit-*.xml
+python scripts/test_summary.py --top 10 "$GPUFLOW_TEST_TIMES" "$LOGS"/junit-*.xml
 if ((total > BUDGET_SECONDS)); then
     printf 'WARNING: this run took %dm%02ds, over the %d-minute budget\n' $((total / 60)) $((total % 60)) $((BUDGET_SECONDS / 60))
 fi

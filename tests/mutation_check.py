@@ -88,10 +88,12 @@ def copy_of_checkout(dest):
 
 
 def unit_tests(root, pattern):
-    """Exit status of the unit tests matching pattern in the checkout at root, stopping at the first failure."""
+    """The unit tests matching pattern in the checkout at root, stopping at the first failure: their exit
+    status and the end of their output."""
     files = sorted(glob.glob(os.path.join(root, pattern)))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + files,
-                          cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + files,
+                          cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    return proc.returncode, "\n".join(proc.stdout.splitlines()[-40:])
 
 
 def check(m, root):
@@ -103,7 +105,7 @@ def check(m, root):
     try:
         with open(path, "w") as f:
             f.write(original.replace(m.rule, m.without))
-        rc = unit_tests(root, m.tests)
+        rc = unit_tests(root, m.tests)[0]
     finally:
         with open(path, "w") as f:
             f.write(original)
@@ -121,9 +123,11 @@ def main():
     chosen = [m for m in MUTATIONS if not a.names or m.name in a.names]
     with tempfile.TemporaryDirectory(prefix="gpuflow-mutation-") as tmp:
         root = copy_of_checkout(tmp)
-        if any(unit_tests(root, pattern) != 0 for pattern in sorted({m.tests for m in chosen})):
-            print("the unit tests fail before any rule is removed")
-            return 1
+        for pattern in sorted({m.tests for m in chosen}):
+            rc, tail = unit_tests(root, pattern)
+            if rc != 0:
+                print("%s\nthe unit tests %s fail before any rule is removed" % (tail, pattern))
+                return 1
         failures = 0
         for m in chosen:
             t0 = time.monotonic()

@@ -2,8 +2,9 @@
 names vLLM loads, the INT4 packing, the remote-code tokenizer.
 
 Building needs torch, which the repo's .venv lacks: the models are built, and the torch checks run, with
-the vLLM venv's python (.cache/venvs/vllm, made by `make venvs`); without it these tests are skipped.
-The layout checks read the safetensors headers here, in plain Python.
+the vLLM venv's python (.cache/venvs/vllm, made by `make venvs`), so these tests run in make test's
+integration-vllm phase, after the venvs phase. The layout checks read the safetensors headers here, in
+plain Python.
 """
 import json
 import os
@@ -18,8 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOOLS = os.path.join(REPO, "tools")
 VENV_PYTHON = os.path.join(REPO, ".cache", "venvs", "vllm", "bin", "python")
 
-pytestmark = pytest.mark.skipif(not os.access(VENV_PYTHON, os.X_OK),
-                                reason="needs the vLLM venv (make venvs): torch, transformers, tiktoken")
+pytestmark = [pytest.mark.venvs,
+              pytest.mark.skipif(not os.access(VENV_PYTHON, os.X_OK),
+                                 reason="needs the vLLM venv (make venvs): torch, transformers, tiktoken")]
 
 
 def venv_python(code, *args):
