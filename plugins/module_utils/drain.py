@@ -5,11 +5,9 @@
 
 Entry points (plain data in, plain data out; no Ansible import):
 
-:func:`gpu_facts`
-    What ``gpu_info`` returns: every GPU with its memory and classified holders.
 :func:`run_drain`
     What ``gpu_drain`` does: validate parameters (:class:`DrainError` before anything is
-    signalled), discover, :func:`build_plan`, then unless ``check_mode``: stop units through
+    signalled), discover, :func:`.drain_plan.build_plan`, then unless ``check_mode``: stop units through
     systemd, SIGTERM (to the process group where :func:`.pid_safety.group_ok` allows,
     else to each PID), poll until the targets exit or ``grace_period`` passes, SIGKILL the
     survivors, poll again up to ``kill_timeout``, then poll the backend until each target
@@ -39,6 +37,7 @@ import time
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import holders as H
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import pid_safety as S
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain_plan import _brief, build_plan, snapshot
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import bad_number, resolve_gpu_spec
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name, unit_name
 
@@ -122,163 +121,6 @@ def unit_members(units, proc_root="/proc"):
             if ct is not None:
                 out[cg["unit"]][pid] = ct
     return out
-
-
-def _brief(h, reason=None):
-    d = {"pid": h["pid"], "name": h.get("name"), "cmdline": h.get("cmdline"), "class": h.get("class"),
-         "pgid": h.get("pgid"), "unit": h.get("unit"), "gpus": h.get("gpus")}
-    if reason:
-        d["reason"] = reason
-    return d
-
-
-def snapshot(backend, matcher, proc_root="/proc", own=None):
-    gpus = backend.gpus()
-    table = S.process_table(proc_root)
-    own = S.own_tree(proc_root, table=table) if own is None else own
-    disc = H.discover(backend, gpus, matcher, own_tree=own, proc_root=proc_root)
-    return gpus, table, own, disc
-
-
-def gpu_facts(backend, matcher, proc_root="/proc"):
-    """Facts for ``gpu_info``: GPUs with memory and classified holders."""
-    gpus, table, own, disc = snapshot(backend, matcher, proc_root)
-    out = []
-    for g in gpus:
-        i = g["index"]
-        g = dict(g)
-        g["memory"] = disc["memory"].get(i, g.get("memory"))
-        g["holders"] = [H.public_holder(h) for pid, h in sorted(disc["holders"].items()) if i in h["gpus"]]
-        g["unresolved_processes"] = disc["unresolved"].get(i, [])
-        g["idle_used_mib"] = backend.idle_used_mib(i)
-        out.append(g)
-    hostwide = [H.public_holder(h) for pid, h in sorted(disc["holders"].items()) if not h["gpus"]]
-    return {"gpus": out, "hostwide_holders": hostwide, "driver": backend.driver(),
-            "unreadable_pids": disc["unreadable_pids"], "invalid_driver_pids": disc["invalid_driver_pids"]}
-
-
-def build_plan(disc, targets, p, rx, unit_procs, table, own):
-    """Decide who is signalled.  Pure function over discovered data.
-
-    Returns ``{"units", "signal": [holder brief + create_time], "skipped": [...],
-    "not_selected": [...], "allowed": {pid: create_time}}``.
-    """
-    T = set(targets)
-    hs = disc["holders"]
-    on_target = dict((pid, h) for pid, h in hs.items() if T & set(h["gpus"]))
-    explicit = set(p["pids"] or [])
-    by_selector = not (p["units"] or explicit or rx is not None)
-    all_mode = p["all_holders"] or by_selector
-    drain_mgmt = p["management_clients"] == "drain"
-    units = [unit_name(u) for u in p["units"] or []]
-
-    desc_of_explicit = S.descendants(sorted(explicit), table) if explicit else set()
-    owners = _pattern_owners(on_target, rx, table, own, drain_mgmt, disc.get("proc_root", "/proc")) if rx else {}
-    desc_of_owners = S.descendants(sorted(owners), table) if owners else set()
-    selected = {}
-    skipped = []
-    not_selected = []
-    for pid, h in sorted(on_target.items()):
-        cls = h["class"]
-        if cls == "self":
-            skipped.append(_brief(h, "own process tree"))
-            continue
-        if cls == "protected":
-            skipped.append(_brief(h, "protected (%s)" % h["protected_by"]))
-            continue
-        why = None
-        if all_mode and (cls == "compute" or drain_mgmt):
-            why = "holder of a target GPU"
-        elif pid in explicit:
-            why = "PID named in pids"
-        elif pid in owners:
-            why = "cmdline matches %r (owner of GPU-holding descendants)" % p["cmdline_pattern"]
-        elif pid in desc_of_owners and (cls == "compute" or drain_mgmt):
-            why = "descendant of a process whose cmdline matches %r" % p["cmdline_pattern"]
-        elif pid in desc_of_explicit and (cls == "compute" or drain_mgmt):
-            why = "descendant of a PID named in pids"
-        elif h.get("unit") in units:
-            why = "in unit %s" % h.get("unit")
-        elif rx is not None and rx.search(h.get("cmdline") or "") and (cls == "compute" or drain_mgmt):
-            why = "cmdline matches %r" % p["cmdline_pattern"]
-        if why:
-            selected[pid] = (h, why)
-        elif cls == "management":
-            skipped.append(_brief(h, "management client (no GPU context): left alone"))
-        else:
-            not_selected.append(_brief(h, "not selected by units / pids / cmdline_pattern"))
-
-    # Named PIDs that hold no target GPU themselves are signalled only when one of their
-    # descendants holds a target GPU (they are its owner); otherwise left alone.
-    for pid in sorted(explicit):
-        if pid in selected or pid in on_target:
-            continue
-        st = table.get(pid)
-        if st is None:
-            skipped.append({"pid": pid, "reason": "PID named in pids is not running"})
-            continue
-        kids = S.descendants([pid], table)
-        if pid in own:
-            skipped.append({"pid": pid, "reason": "own process tree"})
-        elif any(k in selected for k in kids):
-            info = H.describe_process(pid, disc.get("proc_root", "/proc")) or {"pid": pid}
-            info.setdefault("gpus", [])
-            info["class"] = "owner"
-            selected[pid] = (info, "PID named in pids (owner of GPU-holding descendants)")
-        else:
-            skipped.append({"pid": pid, "name": st.get("name"), "reason": "PID named in pids holds no target GPU"})
-
-    for pid, info in sorted(owners.items()):
-        if pid not in selected:
-            selected[pid] = (info, "cmdline matches %r (owner of GPU-holding descendants)" % p["cmdline_pattern"])
-
-    allowed = {}
-    sig = []
-    for pid, (h, why) in sorted(selected.items()):
-        d = _brief(h, why)
-        d["create_time"] = h.get("create_time")
-        d["dstate"] = bool(h.get("dstate"))
-        sig.append(d)
-        allowed[pid] = h.get("create_time")
-    # Leftovers of targeted units (holders or not) are the unit's own processes.
-    for u, members in (unit_procs or {}).items():
-        for pid, ct in members.items():
-            if pid in own or pid in allowed:
-                continue
-            h = hs.get(pid)
-            if h is not None and h["class"] in ("protected", "self"):
-                continue
-            allowed[pid] = ct
-    return {"units": units, "signal": sig, "skipped": skipped, "not_selected": not_selected,
-            "allowed": allowed}
-
-
-def _pattern_owners(on_target, rx, table, own, drain_mgmt, proc_root):
-    """``{pid: process info}`` of the processes whose cmdline matches ``rx`` and that own a holder of a
-    target GPU that may be drained: its parent, grandparent and so on, as long as each matches (vLLM's API
-    server above its engine above its tensor-parallel workers).  Draining them with their holders stops
-    such a server as a whole.  The climb stops at the first ancestor that does not match, so a shell or a
-    terminal multiplexer that started the server is never an owner, and a process that matches but owns
-    no holder is not one either."""
-    holders = [pid for pid, h in on_target.items()
-               if h["class"] == "compute" or (h["class"] == "management" and drain_mgmt)]
-    owners, seen = {}, set()
-    for holder in sorted(holders):
-        cur = (table.get(holder) or {}).get("ppid", 0)
-        while cur > 1 and cur not in seen and cur not in own:
-            seen.add(cur)
-            h = on_target.get(cur)
-            if h is not None and h["class"] in ("protected", "self"):
-                break
-            info = h or H.describe_process(cur, proc_root)
-            if not info or not rx.search(info.get("cmdline") or ""):
-                break
-            info = dict(info)
-            info.setdefault("gpus", [])
-            info.setdefault("class", "owner")
-            owners[cur] = info
-            cur = info.get("ppid", 0)
-    return owners
 
 
 class _Timer(object):

@@ -1,19 +1,22 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuflow maintainers
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
-"""GPU reset: plan, prerequisites, execution and health checks (PRIVATE to gpuflow.eagle3).
+"""GPU reset: the phases of one reset, from the look to the verdict (PRIVATE to gpuflow.eagle3).
 
 Note that this module util is private to the collection: it can change at any time.
 
 Entry point :func:`run_reset` (plain data in, plain data out, no Ansible import).  The order
 follows NVIDIA's documented rules for ``nvidia-smi --gpu-reset`` and NVSentinel's reset job
-(research/gpu_drain.md B.9-B.12), one function per phase, sharing one :class:`ResetRun`:
+(research/gpu_drain.md B.9-B.12), one function per phase, sharing one :class:`ResetRun`.
+The facts and decisions the phases use live beside this file: :mod:`.gpu_platform` (platform
+probe, NVLink groups), :mod:`.reset_plan` (health checks, plan; no side effects),
+:mod:`.nvidia_smi` (the commands) and :mod:`.simulated_backend` (the simulated reset).
 
 1. look (:func:`reset_look`): GPUs, platform (architecture, NVLink peers, NVSwitch, ECC / MIG
    pending modes, virtualization), holders (same discovery as ``gpu_drain``), health;
 2. decide (:func:`reset_decide`) which GPUs need a reset (``force`` resets every chosen GPU);
    a clean host stops here, unchanged (:func:`reset_healthy_verdict`);
-3. plan (:func:`reset_plan`, with :func:`build_plan`, pure): reset groups (NVLink rules below),
+3. plan (:func:`reset_plan`, with :func:`.reset_plan.build_plan`, pure): reset groups (NVLink rules below),
    prerequisites, the daemons to stop, the GPUs whose persistence mode is turned off.  A group
    with an unmet prerequisite is ``blocked`` and nothing is done to it.  Check mode returns the
    plan (:func:`reset_planned_verdict`);
@@ -59,12 +62,6 @@ and Fabric Manager where the rules keep it running.
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import select
-import signal
-import subprocess
-import sys
 import time
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import holders as H
@@ -75,19 +72,23 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import 
     bad_number,
     resolve_gpu_spec,
 )
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_platform import platform_info, unit_state
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.nvidia_smi import smi_ids
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.reset_plan import (
+    PERSISTENCED_NAMES,
+    build_plan,
+    failing,
+    health_checks,
+    needs_reset,
+    plan_diff,
+)
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name
-
-ARCH_NAMES = {2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere",
-              8: "ada", 9: "hopper", 10: "blackwell"}
-ARCH_RANK = dict((v, k) for k, v in ARCH_NAMES.items())
 
 DEFAULT_DAEMONS = [
     "nvidia-dcgm.service", "dcgm.service", "nv-hostengine.service",
     "nvidia-dcgm-exporter.service", "dcgm-exporter.service", "nvidia_gpu_exporter.service",
     "nvsm.service",
 ]
-FABRIC_MANAGER_UNITS = ["nvidia-fabricmanager.service", "nv-fabricmanager.service"]
-PERSISTENCED_NAMES = ("nvidia-persistenced", "nvidia-persistenced.service")
 
 DEFAULTS = {
     "gpus": ["all"],
@@ -120,164 +121,6 @@ def _now_iso():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
-# --------------------------------------------------------------------------- commands
-def run_argv(argv, timeout, env=None):
-    """Run ``argv`` (a list, never a shell) with a hard time bound.
-
-    Returns ``{"rc", "stdout", "stderr", "timed_out", "duration_s"}``.  On timeout the child
-    gets SIGKILL and is waited for at most 2 s more (a child stuck in the kernel is left
-    behind rather than hanging the module).
-    """
-    t = time.monotonic()
-    try:
-        # not run_command: no AnsibleModule here, and the child needs a hard deadline and SIGKILL
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # pylint: disable=ansible-bad-function
-                                stdin=subprocess.DEVNULL, close_fds=True, env=env)
-    except OSError as e:
-        return {"rc": 127, "stdout": "", "stderr": str(e), "timed_out": False, "duration_s": 0.0}
-    out, err = [], []
-    fds = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-    deadline = t + float(timeout)
-    timed_out = False
-    while fds:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            timed_out = True
-            break
-        r = select.select(list(fds), [], [], left)[0]
-        for fd in r:
-            chunk = os.read(fd, 65536)
-            if chunk:
-                fds[fd].append(chunk)
-            else:
-                del fds[fd]
-    if timed_out:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except OSError:
-            pass
-    try:
-        rc = proc.wait(timeout=2.0 if timed_out else max(deadline - time.monotonic(), 0) + 2.0)
-    except subprocess.TimeoutExpired:
-        rc = None
-    for f in (proc.stdout, proc.stderr):
-        try:
-            f.close()
-        except OSError:
-            pass
-    return {"rc": 124 if timed_out else rc, "stdout": b"".join(out).decode("utf-8", "replace"),
-            "stderr": b"".join(err).decode("utf-8", "replace"), "timed_out": timed_out,
-            "duration_s": round(time.monotonic() - t, 4)}
-
-
-def classify_smi_reset(res):
-    """Map an ``nvidia-smi --gpu-reset`` result to an outcome.
-
-    nvidia-smi exit codes: 0 success, 3 operation not available on the device, 4 no
-    permission, 255 other errors ("In use by another client" among them).
-    """
-    text = ((res.get("stdout") or "") + "\n" + (res.get("stderr") or "")).lower()
-    if res.get("timed_out"):
-        return "failed"
-    if res.get("rc") == 0 and "could not be reset" not in text:
-        return "ok"
-    if "in use by another client" in text or "is currently in use" in text or "in use by" in text:
-        return "busy"
-    if res.get("rc") == 3 or "not supported" in text or "is not available" in text:
-        return "unsupported"
-    return "failed"
-
-
-def smi_ids(backend, indices):
-    """UUIDs for ``nvidia-smi -i`` (unambiguous), indices when the UUID is unknown."""
-    by_index = dict((g["index"], g) for g in (getattr(backend, "_gpus", None) or []))
-    out = []
-    for i in indices:
-        u = (by_index.get(i) or {}).get("uuid")
-        out.append(str(u) if u else str(int(i)))
-    return out
-
-
-def nvidia_smi_reset(ids, timeout, runner=run_argv, smi="nvidia-smi"):
-    """One ``nvidia-smi --gpu-reset -i a,b,c`` for GPUs that must reset together."""
-    argv = [smi, "--gpu-reset", "-i", ",".join(ids)]
-    res = runner(argv, timeout)
-    res["argv"] = argv
-    res["outcome"] = classify_smi_reset(res)
-    return res
-
-
-def nvidia_smi_persistence(gpu_id, enabled, timeout, runner=run_argv, smi="nvidia-smi"):
-    argv = [smi, "-i", str(gpu_id), "-pm", "1" if enabled else "0"]
-    res = runner(argv, timeout)
-    res["argv"] = argv
-    res["outcome"] = "ok" if res["rc"] == 0 else "failed"
-    return res
-
-
-# --------------------------------------------------------------------------- simulation
-def simulate_reset(backend, indices, proc_root="/proc"):
-    """What the simulated backend does for ``reset_gpus``: follows nvidia-smi's rules.
-
-    Refused (``busy``) while persistence mode is on, while any process holds one of the
-    GPUs' device nodes, or when the GPU's ``reset.busy`` fault is set; ``unsupported`` when
-    ``reset.supported`` is false.  The whole group fails together, as one nvidia-smi command
-    does.  A successful reset clears health faults, pending retired pages / remapped rows and
-    memory held with no process, and applies pending ECC / MIG modes, unless
-    ``reset.unhealthy_after_reset`` is set.
-    """
-    t = time.monotonic()
-    states = dict((i, backend.read_gpu_state(i)) for i in indices)
-    fds, dummy = H.scan_device_fds(backend.classify_device_path, proc_root)
-    minors = dict((s.get("minor", i), i) for i, s in states.items())
-    lines = []
-    outcome = "ok"
-    for i, s in sorted(states.items()):
-        bus = s.get("pci_bus_id") or str(i)
-        r = s.get("reset") or {}
-        holders = sorted(pid for pid, f in fds.items() if any(m in minors for m in f["gpus"])
-                         and any(minors[m] == i for m in f["gpus"] if m in minors))
-        if r.get("supported", True) is False:
-            lines.append("GPU %s: Resetting GPU is not supported on this device." % bus)
-            outcome = "unsupported" if outcome == "ok" else outcome
-        elif s.get("persistence_mode"):
-            lines.append("GPU %s: In use by another client (persistence mode is enabled)" % bus)
-            outcome = "busy" if outcome in ("ok", "unsupported") else outcome
-        elif holders:
-            lines.append("GPU %s: In use by another client (PIDs %s)" % (bus, ", ".join(str(p) for p in holders)))
-            outcome = "busy" if outcome in ("ok", "unsupported") else outcome
-        elif r.get("busy"):
-            lines.append("GPU %s: In use by another client" % bus)
-            outcome = "busy" if outcome in ("ok", "unsupported") else outcome
-    if outcome == "ok":
-        for i, s in sorted(states.items()):
-            r = dict(s.get("reset") or {})
-            r["count"] = int(r.get("count", 0)) + 1
-            fields = {"reset": r}
-            if not r.get("unhealthy_after_reset"):
-                fields.update({"health": "ok", "retired_pages_pending": False if s.get("retired_pages_pending") is not None else None,
-                               "remapped_rows_pending": False, "stuck_used_mib": 0})
-                if s.get("ecc_mode_pending") is not None:
-                    fields["ecc_mode_current"] = s.get("ecc_mode_pending")
-                if s.get("mig_mode_pending") is not None:
-                    fields["mig_mode"] = s.get("mig_mode_pending")
-            backend.update_gpu_state(i, **fields)
-            lines.append("GPU %s was successfully reset." % (s.get("pci_bus_id") or i))
-        rc = 0
-    else:
-        lines.append("The following GPUs could not be reset:")
-        rc = {"busy": 255, "unsupported": 3}.get(outcome, 255)
-    return {"rc": rc, "stdout": "\n".join(lines), "stderr": "", "timed_out": False,
-            "duration_s": round(time.monotonic() - t, 4), "outcome": outcome,
-            "argv": ["simulated", "--gpu-reset", "-i", ",".join(str(i) for i in indices)]}
-
-
-def simulate_persistence(backend, index, enabled):
-    backend.update_gpu_state(index, persistence_mode=bool(enabled))
-    return {"rc": 0, "stdout": "", "stderr": "", "timed_out": False, "duration_s": 0.0, "outcome": "ok",
-            "argv": ["simulated", "-i", str(index), "-pm", "1" if enabled else "0"]}
-
-
 def backend_reset(backend, indices, timeout):
     """Reset a group through the backend; ``unsupported`` when the backend has no hook."""
     fn = getattr(backend, "reset_gpus", None)
@@ -302,363 +145,6 @@ def backend_persistence(backend, index, enabled):
     if not isinstance(res, dict):
         res = {"rc": 0, "stdout": "", "stderr": "", "outcome": "ok", "argv": []}
     return res
-
-
-# --------------------------------------------------------------------------- platform
-# Run with ``python -c`` (out of process, bounded in time like every NVML call here).
-PROBE_SOURCE = r'''
-import json, os, sys
-try:
-    import pynvml as nv
-except ImportError as e:
-    print(json.dumps({"error": "import pynvml: %s" % e})); sys.exit(0)
-
-def s(v):
-    return v.decode() if isinstance(v, bytes) else v
-
-def norm(b):
-    b = s(b).lower()
-    return b[-12:] if len(b) >= 12 else b
-
-out = {"gpus": {}}
-try:
-    nv.nvmlInit()
-    n = nv.nvmlDeviceGetCount()
-    hs = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-    bus = {}
-    for i, h in enumerate(hs):
-        try:
-            bus[norm(nv.nvmlDeviceGetPciInfo(h).busId)] = i
-        except nv.NVMLError:
-            pass
-    maxl = getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)
-    for i, h in enumerate(hs):
-        d = {"arch_code": None, "ecc_mode_current": None, "ecc_mode_pending": None,
-             "mig_mode_pending": None, "virtualization_mode": None, "nvlink_peers": [],
-             "nvlink_remote": []}
-        for key, fn in (("arch_code", "nvmlDeviceGetArchitecture"), ("virtualization_mode", "nvmlDeviceGetVirtualizationMode")):
-            try:
-                d[key] = int(getattr(nv, fn)(h))
-            except (nv.NVMLError, AttributeError):
-                pass
-        try:
-            cur, pend = nv.nvmlDeviceGetEccMode(h)
-            d["ecc_mode_current"], d["ecc_mode_pending"] = bool(cur), bool(pend)
-        except nv.NVMLError:
-            pass
-        try:
-            cur, pend = nv.nvmlDeviceGetMigMode(h)
-            d["mig_mode_pending"] = bool(pend)
-        except nv.NVMLError:
-            pass
-        peers, remote = set(), set()
-        for link in range(maxl):
-            try:
-                if not nv.nvmlDeviceGetNvLinkState(h, link):
-                    continue
-                fn = getattr(nv, "nvmlDeviceGetNvLinkRemotePciInfo_v2", None) or nv.nvmlDeviceGetNvLinkRemotePciInfo
-                b = norm(fn(h, link).busId)
-            except nv.NVMLError:
-                continue
-            if b in bus and bus[b] != i:
-                peers.add(bus[b])
-            elif b not in bus:
-                remote.add(b)
-        d["nvlink_peers"], d["nvlink_remote"] = sorted(peers), sorted(remote)
-        out["gpus"][str(i)] = d
-    nv.nvmlShutdown()
-except Exception as e:
-    out["error"] = "%s: %s" % (type(e).__name__, e)
-print(json.dumps(out))
-'''
-
-
-def _nvswitch_present(root="/"):
-    d = os.path.join(root, "proc", "driver", "nvidia-nvswitch", "devices")
-    try:
-        return bool(os.listdir(d))
-    except OSError:
-        return False
-
-
-def probe_nvml(timeout, python=None, runner=run_argv):
-    res = runner([python or sys.executable, "-c", PROBE_SOURCE], timeout)
-    if res["rc"] != 0:
-        return {"error": "platform probe failed (rc=%s%s): %s" % (
-            res["rc"], ", timed out" if res.get("timed_out") else "", (res["stderr"] or "")[-300:])}
-    try:
-        return json.loads(res["stdout"].strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"error": "platform probe answered %r" % res["stdout"][:200]}
-
-
-def platform_info(backend, gpus, systemd=None, fm_units=None, probe=None, timeout=30.0):
-    """Facts the reset rules need, per GPU and for the host.
-
-    ``{"nvswitch": bool, "fabric_manager": {"unit", "active"}|None, "gpus": {index:
-    {"architecture", "arch_rank", "nvlink_peers", "ecc_mode_current", "ecc_mode_pending",
-    "mig_mode_pending", "virtualization", "health"}}, "warnings": [...]}``
-    """
-    warnings = []
-    out = {"nvswitch": False, "fabric_manager": None, "gpus": {}, "warnings": warnings}
-    if backend.name == "simulated":
-        state = dict(getattr(backend, "state", {}) or {})
-        out["nvswitch"] = bool(state.get("nvswitch", False))
-        for g in gpus:
-            s = backend.read_gpu_state(g["index"])
-            arch = s.get("architecture", "hopper")
-            out["gpus"][g["index"]] = {
-                "architecture": arch, "arch_rank": ARCH_RANK.get(arch),
-                "nvlink_peers": sorted(int(x) for x in s.get("nvlink_peers", []) or []),
-                "ecc_mode_current": s.get("ecc_mode_current", True),
-                "ecc_mode_pending": s.get("ecc_mode_pending", s.get("ecc_mode_current", True)),
-                "mig_mode_pending": s.get("mig_mode_pending", s.get("mig_mode")),
-                "virtualization": s.get("virtualization", "none"),
-                "health": s.get("health", "ok"),
-            }
-    else:
-        raw = probe(timeout) if probe is not None else probe_nvml(timeout)
-        if raw.get("error"):
-            warnings.append("NVML platform probe: %s (NVLink peers and ECC state unknown)" % raw["error"])
-        out["nvswitch"] = _nvswitch_present()
-        virt = {0: "none", 1: "passthrough", 2: "vgpu", 3: "host_vgpu", 4: "host_vsga"}
-        for g in gpus:
-            d = (raw.get("gpus") or {}).get(str(g["index"])) or {}
-            code = d.get("arch_code")
-            arch = ARCH_NAMES.get(code, None if code is None else "unknown(%s)" % code)
-            out["gpus"][g["index"]] = {
-                "architecture": arch, "arch_rank": code if code in ARCH_NAMES else None,
-                "nvlink_peers": sorted(int(x) for x in d.get("nvlink_peers", [])),
-                "ecc_mode_current": d.get("ecc_mode_current"), "ecc_mode_pending": d.get("ecc_mode_pending"),
-                "mig_mode_pending": d.get("mig_mode_pending"),
-                "virtualization": virt.get(d.get("virtualization_mode"), d.get("virtualization_mode")),
-                "health": None,
-            }
-            if d.get("nvlink_remote"):
-                out["nvswitch"] = True  # links end on a device that is not a GPU: a switch
-    if systemd is not None and systemd.booted():
-        for u in fm_units or FABRIC_MANAGER_UNITS:
-            st = unit_state(systemd, u)
-            if st["load"] not in ("not-found", "", None):
-                out["fabric_manager"] = {"unit": u, "active": st["active"] == "active"}
-                break
-    return out
-
-
-def unit_state(systemd, unit):
-    rc, props = systemd.load_state(unit)
-    return {"load": props.get("LoadState"), "active": props.get("ActiveState")}
-
-
-# --------------------------------------------------------------------------- health
-def health_checks(g, plat_gpu, mem, holders_mib, baseline, tol, expect_uuid=None):
-    """Checks of one GPU as seen now.  Returns a list of ``{"check", "ok", "detail"}``.
-
-    ``ok`` is None where the device cannot tell (the check is then not failed).
-    """
-    checks = []
-    if g is None:
-        return [{"check": "answers", "ok": False, "detail": "the device does not answer / is not listed"}]
-    ok = expect_uuid is None or g.get("uuid") == expect_uuid
-    checks.append({"check": "answers", "ok": ok,
-                   "detail": "listed as %s" % g.get("uuid") if ok else "UUID changed: %s, expected %s" % (g.get("uuid"), expect_uuid)})
-    used = (mem or {}).get("used_mib")
-    if used is None:
-        checks.append({"check": "memory_baseline", "ok": None, "detail": "memory unknown"})
-    else:
-        limit = baseline + holders_mib + tol
-        checks.append({"check": "memory_baseline", "ok": used <= limit,
-                       "detail": "used %d MiB, limit %d MiB (baseline %d + held by daemons %d + tolerance %d)"
-                       % (used, limit, baseline, holders_mib, tol)})
-    for key, label in (("retired_pages_pending", "pending retired pages"),
-                       ("remapped_rows_pending", "pending remapped rows"),
-                       ("remapped_rows_failure", "row remapping failure")):
-        v = g.get(key)
-        checks.append({"check": key, "ok": None if v is None else not v,
-                       "detail": "%s: %s" % (label, "unknown" if v is None else ("yes" if v else "no"))})
-    cur, pend = plat_gpu.get("ecc_mode_current"), plat_gpu.get("ecc_mode_pending")
-    if cur is None or pend is None:
-        checks.append({"check": "ecc_mode", "ok": None, "detail": "ECC mode unknown"})
-    else:
-        checks.append({"check": "ecc_mode", "ok": cur == pend,
-                       "detail": "ECC %s%s" % ("enabled" if cur else "disabled",
-                                               "" if cur == pend else ", change to %s pending" % ("enabled" if pend else "disabled"))})
-    mp = plat_gpu.get("mig_mode_pending")
-    if mp is not None and g.get("mig_mode") is not None:
-        checks.append({"check": "mig_mode", "ok": mp == g.get("mig_mode"),
-                       "detail": "MIG %s%s" % ("enabled" if g.get("mig_mode") else "disabled",
-                                               "" if mp == g.get("mig_mode") else ", change pending")})
-    if plat_gpu.get("health") is not None:
-        checks.append({"check": "device_health", "ok": plat_gpu["health"] == "ok",
-                       "detail": "device health %s" % plat_gpu["health"]})
-    return checks
-
-
-def failing(checks):
-    return [c for c in checks if c["ok"] is False]
-
-
-# --------------------------------------------------------------------------- plan
-def nvlink_groups(selected, plat, fm_active, peers_policy, all_indices):
-    """Reset groups for ``selected`` GPUs under the NVLink rules (module docstring).
-
-    Returns ``(groups, notes, expanded, blocked)``: ``groups`` a list of sorted index lists,
-    ``expanded`` indices added as peers, ``blocked`` ``{index: reason}`` for groups refused
-    by ``nvlink_peers=fail``.
-    """
-    notes = []
-    pg = plat["gpus"]
-    nvswitch = plat.get("nvswitch")
-
-    def rank(i):
-        return (pg.get(i) or {}).get("arch_rank")
-
-    def peers(i):
-        return set((pg.get(i) or {}).get("nvlink_peers") or [])
-
-    def must_group(i):
-        r = rank(i)
-        has_links = bool(peers(i)) or nvswitch
-        if not has_links:
-            return None
-        if r is None:
-            return "architecture unknown with NVLink: resetting with all NVLink peers (the safe reading)"
-        if r < ARCH_RANK["ampere"]:
-            return "pre-Ampere GPU with NVLink: all NVLink peers must be reset in the same command"
-        if r == ARCH_RANK["ampere"] and nvswitch and not fm_active:
-            return "Ampere on NVSwitch without Fabric Manager running: every GPU on the fabric is reset together"
-        return None
-
-    groups = []
-    seen = set()
-    expanded = set()
-    blocked = {}
-    for i in sorted(selected):
-        if i in seen:
-            continue
-        why = must_group(i)
-        if why is None:
-            groups.append([i])
-            seen.add(i)
-            continue
-        # closure over NVLink peers (on a switch without FM: all GPUs of the host)
-        if nvswitch and rank(i) == ARCH_RANK["ampere"] and not fm_active:
-            closure = set(all_indices)
-        else:
-            closure = {i}
-            stack = [i]
-            while stack:
-                for q in peers(stack.pop()):
-                    if q not in closure:
-                        closure.add(q)
-                        stack.append(q)
-        extra = closure - set(selected)
-        notes.append("GPU %d: %s -> group %s" % (i, why, sorted(closure)))
-        if extra and peers_policy == "fail":
-            for j in closure:
-                blocked[j] = "NVLink peers %s must be reset together with GPU %d, but were not chosen (nvlink_peers=fail)" % (
-                    sorted(extra), i)
-        expanded |= extra
-        groups.append(sorted(closure))
-        seen |= closure
-    for i in sorted(selected):
-        r = rank(i)
-        if r is not None and r >= ARCH_RANK["ampere"] and peers(i) and not any(len(g) > 1 and i in g for g in groups):
-            notes.append("GPU %d: %s with NVLink: individual reset allowed" % (i, ARCH_NAMES.get(r)))
-    return groups, notes, sorted(expanded), blocked
-
-
-def build_plan(gpus, selected, plat, disc, p, daemon_states, systemd_ok, smi_ids_of):
-    """Decide groups, prerequisites, daemons to stop and persistence changes.  Pure.
-
-    ``daemon_states`` maps each unit of ``p["daemons"]`` (and Fabric Manager units) to
-    ``{"load", "active"}``; ``smi_ids_of(indices)`` gives the ``-i`` argument values.
-    """
-    by_index = dict((g["index"], g) for g in gpus)
-    fm = plat.get("fabric_manager") or None
-    fm_active = bool(fm and fm["active"])
-    groups, notes, expanded, blocked_nv = nvlink_groups(selected, plat, fm_active, p["nvlink_peers"],
-                                                        sorted(by_index))
-    reset_set = sorted(set(i for g in groups for i in g))
-    daemons = [u if "." in u else u + ".service" for u in p["daemons"]]
-
-    # Fabric Manager: kept running unless fabric_manager=stop (then stopped and restored like
-    # the other daemons).  Ampere NVSwitch needs it running for individual reset; Hopper and
-    # later do not depend on it.
-    fm_action = "not present"
-    if fm:
-        fm_action = "stop" if (p["fabric_manager"] == "stop" and fm_active) else "keep"
-        if fm_action == "stop" and fm["unit"] not in daemons:
-            daemons = daemons + [fm["unit"]]
-        if fm_action == "keep" and fm_active and plat.get("nvswitch"):
-            notes.append("Fabric Manager (%s) kept running" % fm["unit"])
-
-    to_stop = [u for u in daemons if (daemon_states.get(u) or {}).get("active") == "active"]
-    if not systemd_ok:
-        to_stop = []
-
-    blocked = dict((i, [{"reason": r}]) for i, r in blocked_nv.items())
-    for i in reset_set:
-        g = by_index[i]
-        pgi = plat["gpus"].get(i) or {}
-        if g.get("mig_mode"):
-            if pgi.get("virtualization") == "vgpu":
-                blocked.setdefault(i, []).append({"reason": "unsupported: reset is not supported on MIG-enabled vGPU guests",
-                                                  "unsupported": True})
-            elif not p["allow_mig"]:
-                blocked.setdefault(i, []).append({"reason": "MIG mode is enabled: a reset destroys its GPU and compute instances "
-                                                            "(recreate them afterwards, e.g. with nvidia-mig-parted); "
-                                                            "set allow_mig to reset anyway"})
-        for u in disc["unresolved"].get(i, []):
-            blocked.setdefault(i, []).append({"pid": u["pid"], "reason": "driver lists PID %s: %s" % (u["pid"], u["reason"])})
-    for pid, h in sorted(disc["holders"].items()):
-        on = [i for i in h["gpus"] if i in reset_set]
-        if not on:
-            continue
-        cls = h["class"]
-        unit = h.get("unit")
-        if cls == "self":
-            continue
-        reason = None
-        if cls == "protected":
-            names = set([h.get("name") or "", os.path.basename(h.get("exe") or ""), unit or ""])
-            if unit and unit in to_stop:
-                continue
-            if names & set(PERSISTENCED_NAMES):
-                continue  # released by persistence mode off
-            if fm and unit == fm["unit"] and fm_action == "keep":
-                continue
-            if unit and unit in daemons and not systemd_ok:
-                reason = "protected daemon (%s) holds the GPU; systemd is not running, so it cannot be stopped for the reset" % h["protected_by"]
-            else:
-                reason = ("protected process (%s%s) holds the GPU and is not a daemon this module may stop; "
-                          "add its systemd unit to daemons, or stop it first" % (h["protected_by"], ", unit %s" % unit if unit else ""))
-        elif cls == "compute":
-            reason = "holds a GPU context: drain it first (gpuflow.eagle3.gpu_drain)"
-        else:
-            reason = "holds the device files (management client): the driver refuses a reset while any client is attached"
-        for i in on:
-            blocked.setdefault(i, []).append({"pid": pid, "name": h.get("name"), "class": cls, "unit": unit,
-                                              "cmdline": h.get("cmdline"), "reason": reason})
-
-    # a group is blocked as a whole when one of its GPUs is
-    plan_groups = []
-    for grp in groups:
-        why = []
-        for i in grp:
-            for b in blocked.get(i, []):
-                why.append(dict(b, gpu=i))
-        plan_groups.append({"gpus": grp, "blocked_by": why,
-                            "unsupported": any(b.get("unsupported") for b in why),
-                            "command": ["nvidia-smi", "--gpu-reset", "-i", ",".join(smi_ids_of(grp))]})
-    runnable = [g for g in plan_groups if not g["blocked_by"]]
-    run_set = sorted(set(i for g in runnable for i in g["gpus"]))
-    pm_off = [i for i in run_set if by_index[i].get("persistence_mode")]
-    if not runnable:
-        to_stop = []
-    return {"groups": plan_groups, "reset_set": reset_set, "expanded_peers": expanded, "notes": notes,
-            "daemons_to_stop": to_stop, "persistence_off": pm_off, "fabric_manager": fm_action,
-            "nvswitch": bool(plat.get("nvswitch"))}
 
 
 # --------------------------------------------------------------------------- run
@@ -692,10 +178,6 @@ def _resolve(spec, gpus):
     except ValueError as e:
         raise ResetError(str(e))
 
-
-def needs_reset(checks):
-    """Reasons (strings) a GPU needs a reset, from its health checks."""
-    return [c["detail"] for c in failing(checks)]
 
 
 def _worst(verdicts):
@@ -901,7 +383,7 @@ def reset_planned_verdict(r):
     result["ok"] = all(x["verdict"] in OK_VERDICTS for x in out)
     result["verdict"] = _worst([x["verdict"] for x in out])
     result["elapsed_s"] = r.timer.rel()
-    result["diff"] = _plan_diff(r.by_index, r.plan)
+    result["diff"] = plan_diff(r.by_index, r.plan)
     return result
 
 
@@ -1124,37 +606,8 @@ def keep_mib_after(disc, i, stopped_units):
                if i in h["gpus"] and h["class"] in ("protected", "self") and h.get("unit") not in stopped_units)
 
 
-def _plan_diff(by_index, plan):
-    before = {}
-    after = {}
-    for g in plan["groups"]:
-        if g["blocked_by"]:
-            continue
-        for i in g["gpus"]:
-            before["gpu%d" % i] = {"persistence_mode": by_index[i].get("persistence_mode"), "reset": False}
-            after["gpu%d" % i] = {"persistence_mode": by_index[i].get("persistence_mode"), "reset": True}
-    if plan["daemons_to_stop"]:
-        before["daemons"] = dict((u, "active") for u in plan["daemons_to_stop"])
-        after["daemons"] = dict((u, "active (stopped and restarted)") for u in plan["daemons_to_stop"])
-    return {"before": before, "after": after}
-
-
 class _Abort(Exception):
     pass
-
-
-def read_state_file(path):
-    """The roles' host state file as a dict; {} when missing.  ValueError when not a JSON object."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except OSError as e:
-        raise ValueError(str(e))
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    return data
 
 
 def make_systemd(run, booted=None):

@@ -13,7 +13,7 @@ sequence the ``gpu_reset`` role runs on every host of a fleet, without a module 
    a host with nothing to reset and no mark stops here, unchanged;
 3. drain the reset groups (:func:`.drain.run_drain`) when there is something to drain: the
    services named (only those systemd reports active) or compute holders on the groups.  The
-   drain is recorded in the state file (as the ``gpu_drain`` role records it);
+   drain is recorded in the state file (:func:`.host_state.write_drain_record`, as ``gpu_drain`` does);
 4. reset (:func:`.gpu_reset.run_reset`), only when the drain freed the GPUs;
 5. restore: start the drained services again when every GPU came back healthy and the host was
    not drained before the run, then clear the drain record;
@@ -25,45 +25,26 @@ None), ``host_state`` (the state file as left) and ``report`` (the row the fleet
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import re
-import tempfile
 import time
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import bad_number
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import (
     DEFAULT_DAEMONS,
     ResetError,
-    read_state_file,
     run_reset,
+)
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.host_state import (
+    now_iso,
+    read_state_file,
+    write_drain_record,
+    write_state_file,
 )
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import malformed_unit_name, unit_name
 
 DRAIN_DEFAULTS = {"services": [], "grace_period": 15.0, "kill_timeout": 10.0, "restore_services": True}
 OK_OUTCOMES = ("healthy", "reset", "planned")
 REBOOT_HINT = " (reboot the host: a holder is in D state and survived SIGKILL)"
-
-
-def now_iso():
-    return datetime.datetime.now(datetime.timezone.utc).isoformat()
-
-
-def write_state_file(path, state):
-    """Replace the state file atomically (root-owned 0644 in a 0755 directory, as the roles wrote it)."""
-    directory = os.path.dirname(path)
-    if not os.path.isdir(directory):
-        os.makedirs(directory, 0o755)
-    fd, tmp = tempfile.mkstemp(prefix=".gpu_state.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(state, indent=4, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def validate_drain(drain, daemons):
@@ -101,27 +82,6 @@ def active_services(systemd, services, warn):
 def compute_holders_on_groups(assessment):
     """Whether a compute process blocks a reset group (management clients and daemons are the reset's business)."""
     return any(b.get("class") == "compute" for g in assessment["plan"]["groups"] for b in g.get("blocked_by", []))
-
-
-def record_drain(state, drain_result, stopped):
-    """The state with this drain added to its ``drain`` record (services and GPUs accumulate)."""
-    prev = state.get("drain") or {}
-    new = dict(state)
-    new["drain"] = {
-        "drained": True,
-        "since": prev.get("since") or now_iso(),
-        "services_stopped": unique(list(prev.get("services_stopped") or []) + stopped),
-        "gpus": sorted(unique(list(prev.get("gpus") or []) + list(drain_result.get("targets") or []))),
-    }
-    return new
-
-
-def unique(items):
-    seen = []
-    for x in items:
-        if x not in seen:
-            seen.append(x)
-    return seen
 
 
 def blocked_by_text(blocked_by):
@@ -199,8 +159,7 @@ def reset_host(open_backend, params, drain=None, state_file=None, mark_state=Fal
             backend.close()
         changed = changed or drain_result["changed"]
         if drain_result["changed"] and state_file and not check_mode:
-            state = record_drain(state, drain_result, stopped)
-            write_state_file(state_file, state)
+            state = write_drain_record(state_file, state, drain_result, stopped)
     drain_ok = drain_result is None or check_mode or drain_result["ready"]
 
     # 4. reset; in check mode the assessment is the plan (a second look would still see the holders the drain

@@ -296,18 +296,18 @@ class NvmlBackend(GpuBackend):
     def driver(self):
         return dict(self._driver)
 
-    # --- gpu_reset hooks (issue 4): nvidia-smi argv lists with a timeout, see gpu_reset.py.
+    # --- gpu_reset hooks (issue 4): nvidia-smi argv lists with a timeout, see nvidia_smi.py.
     # Close this backend first: its NVML worker is a client that makes the reset "in use".
     def reset_gpus(self, indices, timeout=120.0):
-        from ansible_collections.gpuflow.eagle3.plugins.module_utils import gpu_reset
-        return gpu_reset.nvidia_smi_reset(gpu_reset.smi_ids(self, indices), timeout)
+        from ansible_collections.gpuflow.eagle3.plugins.module_utils.nvidia_smi import nvidia_smi_reset, smi_ids
+        return nvidia_smi_reset(smi_ids(self, indices), timeout)
 
     def reset_gpu(self, index):
         return self.reset_gpus([index])
 
     def set_persistence_mode(self, index, enabled):
-        from ansible_collections.gpuflow.eagle3.plugins.module_utils import gpu_reset
-        return gpu_reset.nvidia_smi_persistence(gpu_reset.smi_ids(self, [index])[0], enabled, min(self.timeout * 2, 60.0))
+        from ansible_collections.gpuflow.eagle3.plugins.module_utils.nvidia_smi import nvidia_smi_persistence, smi_ids
+        return nvidia_smi_persistence(smi_ids(self, [index])[0], enabled, min(self.timeout * 2, 60.0))
 
     def close(self):
         if self._dead is None and self.proc.poll() is None:

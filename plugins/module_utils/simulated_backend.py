@@ -40,6 +40,7 @@ import json
 import os
 import time
 
+from ansible_collections.gpuflow.eagle3.plugins.module_utils import holders as H
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import (
     BackendError,
     BackendUnavailable,
@@ -233,18 +234,78 @@ class SimulatedBackend(GpuBackend):
                 return int(s.get("baseline_used_mib", 0))
         raise BackendError("no simulated GPU with index %s" % index)
 
-    # --- gpu_reset hooks (issue 4): the simulation's rules live in gpu_reset.py -------
+    # --- gpu_reset hooks (issue 4): the simulation's rules are simulate_reset below ----
     def reset_gpus(self, indices, timeout=None):
-        from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import simulate_reset
         return simulate_reset(self, [int(i) for i in indices])
 
     def reset_gpu(self, index):
         return self.reset_gpus([index])
 
     def set_persistence_mode(self, index, enabled):
-        from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import simulate_persistence
         return simulate_persistence(self, int(index), enabled)
 
     def driver(self):
         return {"backend": self.name, "driver_version": "simulated", "nvml_version": None,
                 "state_dir": self.state_dir}
+
+
+def simulate_reset(backend, indices, proc_root="/proc"):
+    """What the simulated backend does for ``reset_gpus``: follows nvidia-smi's rules.
+
+    Refused (``busy``) while persistence mode is on, while any process holds one of the
+    GPUs' device nodes, or when the GPU's ``reset.busy`` fault is set; ``unsupported`` when
+    ``reset.supported`` is false.  The whole group fails together, as one nvidia-smi command
+    does.  A successful reset clears health faults, pending retired pages / remapped rows and
+    memory held with no process, and applies pending ECC / MIG modes, unless
+    ``reset.unhealthy_after_reset`` is set.
+    """
+    t = time.monotonic()
+    states = dict((i, backend.read_gpu_state(i)) for i in indices)
+    fds, dummy = H.scan_device_fds(backend.classify_device_path, proc_root)
+    minors = dict((s.get("minor", i), i) for i, s in states.items())
+    lines = []
+    outcome = "ok"
+    for i, s in sorted(states.items()):
+        bus = s.get("pci_bus_id") or str(i)
+        r = s.get("reset") or {}
+        holders = sorted(pid for pid, f in fds.items() if any(m in minors for m in f["gpus"])
+                         and any(minors[m] == i for m in f["gpus"] if m in minors))
+        if r.get("supported", True) is False:
+            lines.append("GPU %s: Resetting GPU is not supported on this device." % bus)
+            outcome = "unsupported" if outcome == "ok" else outcome
+        elif s.get("persistence_mode"):
+            lines.append("GPU %s: In use by another client (persistence mode is enabled)" % bus)
+            outcome = "busy" if outcome in ("ok", "unsupported") else outcome
+        elif holders:
+            lines.append("GPU %s: In use by another client (PIDs %s)" % (bus, ", ".join(str(p) for p in holders)))
+            outcome = "busy" if outcome in ("ok", "unsupported") else outcome
+        elif r.get("busy"):
+            lines.append("GPU %s: In use by another client" % bus)
+            outcome = "busy" if outcome in ("ok", "unsupported") else outcome
+    if outcome == "ok":
+        for i, s in sorted(states.items()):
+            r = dict(s.get("reset") or {})
+            r["count"] = int(r.get("count", 0)) + 1
+            fields = {"reset": r}
+            if not r.get("unhealthy_after_reset"):
+                fields.update({"health": "ok", "retired_pages_pending": False if s.get("retired_pages_pending") is not None else None,
+                               "remapped_rows_pending": False, "stuck_used_mib": 0})
+                if s.get("ecc_mode_pending") is not None:
+                    fields["ecc_mode_current"] = s.get("ecc_mode_pending")
+                if s.get("mig_mode_pending") is not None:
+                    fields["mig_mode"] = s.get("mig_mode_pending")
+            backend.update_gpu_state(i, **fields)
+            lines.append("GPU %s was successfully reset." % (s.get("pci_bus_id") or i))
+        rc = 0
+    else:
+        lines.append("The following GPUs could not be reset:")
+        rc = {"busy": 255, "unsupported": 3}.get(outcome, 255)
+    return {"rc": rc, "stdout": "\n".join(lines), "stderr": "", "timed_out": False,
+            "duration_s": round(time.monotonic() - t, 4), "outcome": outcome,
+            "argv": ["simulated", "--gpu-reset", "-i", ",".join(str(i) for i in indices)]}
+
+
+def simulate_persistence(backend, index, enabled):
+    backend.update_gpu_state(index, persistence_mode=bool(enabled))
+    return {"rc": 0, "stdout": "", "stderr": "", "timed_out": False, "duration_s": 0.0, "outcome": "ok",
+            "argv": ["simulated", "-i", str(index), "-pm", "1" if enabled else "0"]}

@@ -198,7 +198,7 @@ from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import 
     open_backend_for_module,
 )
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.holders import ProtectedMatcher
-from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain import gpu_facts
+from ansible_collections.gpuflow.eagle3.plugins.module_utils.drain_plan import gpu_facts
 
 
 def main():

@@ -13,7 +13,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_fakes import BASE, HOSTWIDE, FakeBackend, FakeClock, FakeProc, gpu_fd  # noqa: E402
 
+from ansible_collections.gpuflow.eagle3.plugins.module_utils import gpu_platform as PL  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import gpu_reset as R  # noqa: E402
+from ansible_collections.gpuflow.eagle3.plugins.module_utils import nvidia_smi as SMI  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import BackendUnsupported  # noqa: E402
 
 
@@ -134,12 +136,12 @@ def run(b, params, env, check=False, systemd=None, probe=None, warns=None, own=N
 
 # ------------------------------------------------------------------ commands
 def test_classify_smi_reset():
-    assert R.classify_smi_reset({"rc": 0, "stdout": "GPU 00000000:1A:00.0 was successfully reset."}) == "ok"
-    assert R.classify_smi_reset({"rc": 255, "stdout": "The following GPUs could not be reset:\n  GPU 00000000:1A:00.0: "
+    assert SMI.classify_smi_reset({"rc": 0, "stdout": "GPU 00000000:1A:00.0 was successfully reset."}) == "ok"
+    assert SMI.classify_smi_reset({"rc": 255, "stdout": "The following GPUs could not be reset:\n  GPU 00000000:1A:00.0: "
                                  "In use by another client"}) == "busy"
-    assert R.classify_smi_reset({"rc": 3, "stdout": "Resetting GPU is not supported"}) == "unsupported"
-    assert R.classify_smi_reset({"rc": 4, "stdout": "Insufficient Permissions"}) == "failed"
-    assert R.classify_smi_reset({"rc": 124, "timed_out": True, "stdout": ""}) == "failed"
+    assert SMI.classify_smi_reset({"rc": 3, "stdout": "Resetting GPU is not supported"}) == "unsupported"
+    assert SMI.classify_smi_reset({"rc": 4, "stdout": "Insufficient Permissions"}) == "failed"
+    assert SMI.classify_smi_reset({"rc": 124, "timed_out": True, "stdout": ""}) == "failed"
 
 
 def test_nvidia_smi_commands_are_argv_lists():
@@ -148,56 +150,56 @@ def test_nvidia_smi_commands_are_argv_lists():
     def runner(argv, timeout):
         seen.append((argv, timeout))
         return {"rc": 0, "stdout": "ok", "stderr": "", "timed_out": False, "duration_s": 0.1}
-    r = R.nvidia_smi_reset(["GPU-a", "GPU-b"], 90, runner=runner)
+    r = SMI.nvidia_smi_reset(["GPU-a", "GPU-b"], 90, runner=runner)
     assert seen[-1] == (["nvidia-smi", "--gpu-reset", "-i", "GPU-a,GPU-b"], 90)
     assert r["outcome"] == "ok"
-    R.nvidia_smi_persistence("GPU-a", False, 30, runner=runner)
+    SMI.nvidia_smi_persistence("GPU-a", False, 30, runner=runner)
     assert seen[-1][0] == ["nvidia-smi", "-i", "GPU-a", "-pm", "0"]
 
 
 def test_run_argv_bounded_in_time():
-    r = R.run_argv(["sleep", "5"], 0.3)
+    r = SMI.run_argv(["sleep", "5"], 0.3)
     assert r["timed_out"] and r["rc"] == 124 and r["duration_s"] < 3
-    r = R.run_argv(["sh", "-c", "echo out; echo err >&2; exit 3"], 5)
+    r = SMI.run_argv(["sh", "-c", "echo out; echo err >&2; exit 3"], 5)
     assert (r["rc"], r["stdout"].strip(), r["stderr"].strip(), r["timed_out"]) == (3, "out", "err", False)
-    assert R.run_argv(["/nonexistent/nvidia-smi"], 1)["rc"] == 127
+    assert SMI.run_argv(["/nonexistent/nvidia-smi"], 1)["rc"] == 127
 
 
 # ------------------------------------------------------------------ NVLink rules
 def plat(arch, peers=None, nvswitch=False, n=4):
-    return {"nvswitch": nvswitch, "gpus": dict((i, {"arch_rank": R.ARCH_RANK.get(arch) if arch else None,
+    return {"nvswitch": nvswitch, "gpus": dict((i, {"arch_rank": PL.ARCH_RANK.get(arch) if arch else None,
                                                     "nvlink_peers": (peers or {}).get(i, [])}) for i in range(n))}
 
 
 def test_hopper_resets_individually_even_with_nvlink_and_switch():
-    groups, notes, extra, blocked = R.nvlink_groups([1], plat("hopper", {1: [0, 2]}, nvswitch=True), False, "expand", [0, 1, 2, 3])
+    groups, notes, extra, blocked = PL.nvlink_groups([1], plat("hopper", {1: [0, 2]}, nvswitch=True), False, "expand", [0, 1, 2, 3])
     assert groups == [[1]] and extra == [] and not blocked
 
 
 def test_volta_resets_with_all_nvlink_peers():
     p = plat("volta", {0: [1], 1: [0, 2], 2: [1], 3: []})
-    groups, notes, extra, blocked = R.nvlink_groups([0], p, False, "expand", [0, 1, 2, 3])
+    groups, notes, extra, blocked = PL.nvlink_groups([0], p, False, "expand", [0, 1, 2, 3])
     assert groups == [[0, 1, 2]] and extra == [1, 2]
     assert "pre-Ampere" in notes[0]
-    groups, notes, extra, blocked = R.nvlink_groups([3], p, False, "expand", [0, 1, 2, 3])
+    groups, notes, extra, blocked = PL.nvlink_groups([3], p, False, "expand", [0, 1, 2, 3])
     assert groups == [[3]]   # no NVLink: alone
 
 
 def test_peers_policy_fail_blocks_the_group():
     p = plat("volta", {0: [1], 1: [0]})
-    groups, notes, extra, blocked = R.nvlink_groups([0], p, False, "fail", [0, 1, 2, 3])
+    groups, notes, extra, blocked = PL.nvlink_groups([0], p, False, "fail", [0, 1, 2, 3])
     assert groups == [[0, 1]] and set(blocked) == {0, 1} and "nvlink_peers=fail" in blocked[0]
 
 
 def test_ampere_switch_needs_fabric_manager_for_individual_reset():
     p = plat("ampere", {}, nvswitch=True)
-    assert R.nvlink_groups([2], p, True, "expand", [0, 1, 2, 3])[0] == [[2]]
-    groups, notes, extra, blocked = R.nvlink_groups([2], p, False, "expand", [0, 1, 2, 3])
+    assert PL.nvlink_groups([2], p, True, "expand", [0, 1, 2, 3])[0] == [[2]]
+    groups, notes, extra, blocked = PL.nvlink_groups([2], p, False, "expand", [0, 1, 2, 3])
     assert groups == [[0, 1, 2, 3]] and "Fabric Manager" in notes[0]
 
 
 def test_unknown_architecture_with_nvlink_is_treated_as_pre_ampere():
-    groups = R.nvlink_groups([0], plat(None, {0: [1], 1: [0]}), False, "expand", [0, 1])[0]
+    groups = PL.nvlink_groups([0], plat(None, {0: [1], 1: [0]}), False, "expand", [0, 1])[0]
     assert groups == [[0, 1]]
 
 

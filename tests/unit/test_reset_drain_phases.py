@@ -19,6 +19,7 @@ from test_gpu_reset import FakeSystemd, Opener, ResetBackend, probe_for  # noqa:
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import drain as D  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils import gpu_reset as R  # noqa: E402
+from ansible_collections.gpuflow.eagle3.plugins.module_utils import reset_plan as RP  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import BackendError  # noqa: E402
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.systemd import Systemd  # noqa: E402
 
@@ -419,7 +420,7 @@ def test_reset_execute_stops_turns_off_closes_resets_then_restores_in_that_order
     R.reset_execute(r)
     assert [x[:2] if x[0] in ("stop", "start", "pm") else x[:1] for x in b.log] == [
         ("stop", "nvidia-dcgm.service"), ("pm", 0), ("close",), ("reset",), ("pm", 0), ("start", "nvidia-dcgm.service")]
-    assert r.outcome[0][0] == "ok" and r.closed is False and not R.failing(r.after_checks[0])
+    assert r.outcome[0][0] == "ok" and r.closed is False and not RP.failing(r.after_checks[0])
 
 
 def test_reset_execute_fails_the_groups_and_still_restarts_after_a_failed_daemon_stop(host):
@@ -558,7 +559,7 @@ def test_reset_health_after_polls_until_the_health_timeout_while_a_check_fails(h
     r.outcome = {0: ("ok", "", 0.5)}
     R.reset_health_after(r)
     assert clock.t == 101.0
-    assert [c["check"] for c in R.failing(r.after_checks[0])] == ["remapped_rows_pending"]
+    assert [c["check"] for c in RP.failing(r.after_checks[0])] == ["remapped_rows_pending"]
     assert r.pm_after == {0: True}
 
 
