@@ -95,7 +95,7 @@ def main():
         "hidden_state_extract_gpu_check": False, "hidden_state_extract_stop_server": False,
     }
     os.makedirs(ev["hidden_state_extract_lib_dir"])
-    for name in ("hs_extract.py", "gpuflow_cpu_hs_connector.py"):
+    for name in ("hs_extract.py", "gpuflow_jobs.py", "gpuflow_cpu_hs_connector.py"):
         shutil.copy(os.path.join(REPO, "roles", "hidden_state_extract", "files", name), ev["hidden_state_extract_lib_dir"])
     with open(os.path.join(root, "inv.yml"), "w") as f:
         f.write("all:\n  children:\n    extract:\n      hosts:\n        localhost:\n  vars:\n"

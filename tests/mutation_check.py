@@ -72,6 +72,22 @@ MUTATIONS = [
              '    if starttime != record["starttime"] or cmdline != record["cmdline"]:\n',
              "    if False:\n",
              "tests/unit/test_vllm_proc.py"),
+    Mutation("job-own-session", "roles/detached_job/files/gpuflow_jobs.py",
+             "    os.setsid()\n",
+             "",
+             "tests/unit/test_gpuflow_jobs.py"),
+    Mutation("job-pid-create-time", "roles/detached_job/files/gpuflow_jobs.py",
+             "    if starttime is None or create_time(pid) != starttime:\n",
+             "    if create_time(pid) is None:\n",
+             "tests/unit/test_gpuflow_jobs.py"),
+    Mutation("job-atomic-write", "roles/detached_job/files/gpuflow_jobs.py",
+             '    tmp = "%s.tmp-%d" % (path, os.getpid())\n    with open(tmp, "w") as f:\n        json.dump(',
+             '    tmp = path\n    with open(tmp, "w") as f:\n        json.dump(',
+             "tests/unit/test_gpuflow_jobs.py"),
+    Mutation("job-died", "roles/detached_job/files/gpuflow_jobs.py",
+             '    if not p["running"] and p.get("state") in RUNNING_STATES:\n',
+             "    if False:\n",
+             "tests/unit/test_gpuflow_jobs.py"),
 ]
 
 

@@ -50,6 +50,8 @@ import sys
 import threading
 import time
 
+from gpuflow_jobs import atomic_json, detach, emit, job_status, live_pid, read_json, write_pidfile
+
 SCHEMA = 1
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpuflow_train_launch.py")
 DRAFTER_FILES = ("config.json", "config.py", "model.safetensors")
@@ -57,29 +59,6 @@ ONLINE_MARK = ".gpuflow-online.json"  # written by hidden_state_extract into the
 
 
 # ----------------------------------------------------------------------------- small helpers
-def emit(obj):
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-def atomic_json(path, obj, sync=True):
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_json(path, default=None):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
-
-
 def node_dir(out, rank):
     return os.path.join(out, "nodes", str(rank))
 
@@ -133,16 +112,11 @@ def trainer_pids(save_path, node_rank, parent=None):
 
 
 def job_alive(out, rank):
-    """PID of this node's running job, validated by its command line, or None."""
-    info = read_json(os.path.join(node_dir(out, rank), "job.json"))
-    pid = info.get("pid") if info else None
-    if not isinstance(pid, int) or pid <= 1:
-        return None
-    args = proc_args(pid)[0]
-    if not args or not any(x.endswith("e3_train.py") for x in args) or "run" not in args \
-            or os.path.abspath(out) not in args:
-        return None
-    return pid
+    """PID of this node's running job, validated by its create time and command line, or None."""
+    def looks_like(args):
+        return any(x.endswith("e3_train.py") for x in args) and "run" in args and os.path.abspath(out) in args
+
+    return live_pid(os.path.join(node_dir(out, rank), "job.json"), looks_like)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -570,35 +544,20 @@ def cmd_run(a):
         return 0
     job_file = os.path.join(node_dir(a.out, a.node_rank), "job.json")
     if a.detach:
-        r, w = os.pipe()
-        if os.fork() > 0:
-            os.close(w)
-            with os.fdopen(r) as rf:
-                pid = rf.read().strip()
-            emit({"started": bool(pid), "running": bool(pid), "pid": int(pid) if pid else None})
+        # the job leads its own process group, torchrun in it (trainers: their own sessions)
+        launched = detach(os.path.join(node_dir(a.out, a.node_rank), "job.log"), job_file)
+        if launched is not None:
+            emit(launched)
             return 0
-        os.close(r)
-        os.setsid()
-        if os.fork() > 0:
-            os._exit(0)
-        os.setpgid(0, 0)  # the job leads its own process group, torchrun in it (trainers: their own sessions)
-        log = os.open(os.path.join(node_dir(a.out, a.node_rank), "job.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        atomic_json(job_file, {"pid": os.getpid(), "started": time.time()})
-        os.write(w, str(os.getpid()).encode())
-        os.close(w)
         os._exit(Job(a).run())
-    atomic_json(job_file, {"pid": os.getpid(), "started": time.time()})
+    write_pidfile(job_file)
     return Job(a).run()
 
 
 def cmd_status(a):
-    p = read_json(os.path.join(node_dir(a.out, a.node_rank), "progress.json"), {"state": "absent"})
-    p["running"] = job_alive(a.out, a.node_rank) is not None
-    emit(p)
+    d = node_dir(a.out, a.node_rank)
+    emit(job_status(os.path.join(d, "progress.json"), job_alive(a.out, a.node_rank), os.path.join(d, "train.log"),
+                    "training job"))
     return 0
 
 

@@ -60,32 +60,16 @@ ONLINE_MARK = ".gpuflow-online.json"
 
 
 # ----------------------------------------------------------------------------- small helpers
+def jobs():
+    """The job library the role ships beside this file (detach, pid files, atomic writes, a vanished job's state).
+    Imported on use: budget and drafter also run fed on stdin, without it, so emit and read_json stay here."""
+    import gpuflow_jobs  # pylint: disable=import-outside-toplevel
+    return gpuflow_jobs
+
+
 def emit(obj):
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
     sys.stdout.flush()
-
-
-def atomic_json(path, obj):
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def replace_json(path, obj):
-    """Atomic but not synced: for progress, rewritten every second and worthless after a crash."""
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(obj, f, sort_keys=True)
-    os.replace(tmp, path)
 
 
 def read_json(path, default=None):
@@ -270,7 +254,7 @@ def cmd_prepare(a):
     info = {"fingerprint": fp, "samples": len(lengths), "tokens": int(sum(lengths)),
             "max_seq_len": int(max(lengths)), "seq_length": a.seq_length,
             "inputs": a.data, "seconds": round(time.time() - t0, 1), "schema": SCHEMA}
-    atomic_json(os.path.join(tmp, "PREPARED.json"), info)
+    jobs().atomic_json(os.path.join(tmp, "PREPARED.json"), info)
     # swap in only the complete dataset: a failure above leaves the old one untouched
     if os.path.exists(a.output):
         shutil.rmtree(a.output)
@@ -699,24 +683,11 @@ def job_paths(out):
 
 
 def job_alive(out):
-    """PID of the running job of this output directory, validated by its command line, or None."""
-    info = read_json(job_paths(out)["pid"])
-    if not info:
-        return None
-    pid = info.get("pid")
-    if not isinstance(pid, int) or pid <= 1:
-        return None
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
-            cmd = f.read().split(b"\0")
-        with open("/proc/%d/stat" % pid) as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-    args = [c.decode(errors="replace") for c in cmd]
-    if state == "Z" or not any(x.endswith("hs_extract.py") for x in args) or os.path.abspath(out) not in args:
-        return None
-    return pid
+    """PID of the running job of this output directory, validated by its create time and command line, or None."""
+    def looks_like(args):
+        return any(x.endswith("hs_extract.py") for x in args) and os.path.abspath(out) in args
+
+    return jobs().live_pid(job_paths(out)["pid"], looks_like)
 
 
 def die_with_parent():
@@ -751,10 +722,8 @@ class Job:
              "elapsed_s": round(elapsed, 1), "pass": self.passes, "pid": os.getpid(),
              "rank": a.rank, "world_size": a.world_size, "updated": time.time()}
         p.update(extra or {})
-        if state == "running":
-            replace_json(self.p["progress"], p)
-        else:
-            atomic_json(self.p["progress"], p)
+        # running: rewritten every second, worthless after a crash
+        jobs().atomic_json(self.p["progress"], p, sync=state != "running")
         return p
 
     def one_pass(self):
@@ -819,28 +788,13 @@ def cmd_run(a):
     a.start, a.end = shard_range(len(load_dataset(a.dataset)), a.world_size, a.rank)
     paths = job_paths(a.out)
     if a.detach:
-        r, w = os.pipe()
-        if os.fork() > 0:
-            os.close(w)
-            with os.fdopen(r) as rf:
-                pid = rf.read().strip()
-            emit({"started": bool(pid), "running": bool(pid), "pid": int(pid) if pid else None})
+        # the job leads its own process group: one signal reaches it and its client
+        launched = jobs().detach(paths["log"], paths["pid"])
+        if launched is not None:
+            emit(launched)
             return 0
-        os.close(r)
-        os.setsid()
-        if os.fork() > 0:
-            os._exit(0)
-        os.setpgid(0, 0)  # the job leads its own process group: one signal reaches it and its client
-        log = os.open(paths["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        atomic_json(paths["pid"], {"pid": os.getpid(), "started": time.time()})
-        os.write(w, str(os.getpid()).encode())
-        os.close(w)
     else:
-        atomic_json(paths["pid"], {"pid": os.getpid(), "started": time.time()})
+        jobs().write_pidfile(paths["pid"])
     job = Job(a)
     job.progress("starting")
     rc = job.run()
@@ -851,14 +805,7 @@ def cmd_run(a):
 
 def cmd_status(a):
     paths = job_paths(a.out)
-    p = read_json(paths["progress"], {"state": "absent"})
-    p["running"] = job_alive(a.out) is not None
-    if not p["running"] and p["state"] in ("starting", "running"):
-        # the job had no chance to write its last state: SIGKILL, the OOM killer, a reboot
-        p["state"] = "died"
-        p["msg"] = "the extraction job (pid %s) is gone without a final state (killed?); see %s" % (
-            p.get("pid", "?"), paths["log"])
-    emit(p)
+    emit(jobs().job_status(paths["progress"], job_alive(a.out), paths["log"], "extraction job"))
     return 0
 
 
@@ -907,7 +854,7 @@ def cmd_validate(a):
     if not problems:
         shard_dir = os.path.join(a.out, "shards")
         os.makedirs(shard_dir, exist_ok=True)
-        atomic_json(os.path.join(shard_dir, "rank-%d-of-%d.json" % (a.rank, a.world_size)), record)
+        jobs().atomic_json(os.path.join(shard_dir, "rank-%d-of-%d.json" % (a.rank, a.world_size)), record)
         # files vLLM staged for requests whose client is gone (a killed run): never moved, never used
         for n in os.listdir(a.staging) if os.path.isdir(a.staging) else []:
             if n.endswith(".safetensors") or n.endswith(".safetensors.lock"):
@@ -930,7 +877,7 @@ def cmd_finish(a):
                    "dtype", "token_ids equal the dataset's input_ids", "smoke test of one sample"],
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    atomic_json(os.path.join(a.out, "MANIFEST.json"), manifest)
+    jobs().atomic_json(os.path.join(a.out, "MANIFEST.json"), manifest)
     emit({"changed": True, "samples": manifest["samples"]})
     return 0
 
@@ -959,10 +906,10 @@ def cmd_serve_manifest(a):
     mark = os.path.join(a.connector_path, ONLINE_MARK)
     if read_json(mark) != {"fingerprint": a.fingerprint, "host": a.host}:
         os.makedirs(a.connector_path, exist_ok=True)
-        atomic_json(mark, {"fingerprint": a.fingerprint, "host": a.host})
+        jobs().atomic_json(mark, {"fingerprint": a.fingerprint, "host": a.host})
         changed = True
     if changed:
-        atomic_json(path, manifest)
+        jobs().atomic_json(path, manifest)
     emit({"changed": changed, "samples": manifest["samples"]})
     return 0
 
@@ -991,7 +938,7 @@ def cmd_release(a):
     changed = removed > 0
     if m and m.get("mode") == "online" and m.get("status") == "serving":
         m.update(status="released", released=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        atomic_json(manifest_path, m)
+        jobs().atomic_json(manifest_path, m)
         changed = True
     emit({"changed": changed, "leftovers_removed": removed})
     return 0

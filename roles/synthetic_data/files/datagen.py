@@ -51,27 +51,13 @@ import signal
 import sys
 import time
 
+from gpuflow_jobs import atomic_json, detach, job_status, live_pid, read_json, write_pidfile
+
 RETRY_STATUS = {408, 409, 425, 429}
 SCHEMA = 1
 
 
 # ----------------------------------------------------------------------------- files
-def atomic_json(path, obj):
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        os.fsync(dfd)
-        os.close(dfd)
-    except OSError:
-        pass
-
-
 def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -452,11 +438,11 @@ class Run:
 def cmd_run(a):
     os.makedirs(a.out_dir, exist_ok=True)
     pidfile = os.path.join(a.out_dir, "datagen.pid")
-    other = read_pid(pidfile)
-    if other and other != os.getpid() and alive(other):
+    other = live_pid(pidfile)
+    if other:
         print(json.dumps({"started": False, "pid": other, "msg": "a client already runs on this directory"}))
         return 0
-    if other:
+    if os.path.exists(pidfile):
         os.unlink(pidfile)
     fpath = os.path.join(a.out_dir, "FINGERPRINT")
     if a.fingerprint:
@@ -478,25 +464,13 @@ def cmd_run(a):
                           "msg": "cannot read the API key file: %s" % e}))
         return 3
     if a.detach:
-        # double fork: survives the SSH session and the Ansible task that started it
-        if os.fork() > 0:
-            for i in range(50):
-                if read_pid(pidfile):
-                    break
-                time.sleep(0.1)
-            print(json.dumps({"started": True, "pid": read_pid(pidfile), "detached": True}))
+        # survives the SSH session and the Ansible task that started it
+        launched = detach(os.path.join(a.out_dir, "datagen.log"), pidfile, text_pidfile=True)
+        if launched is not None:
+            print(json.dumps({"started": launched["started"], "pid": launched["pid"], "detached": True}))
             return 0
-        os.setsid()
-        if os.fork() > 0:
-            os._exit(0)
-        log = open(os.path.join(a.out_dir, "datagen.log"), "ab", buffering=0)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    with open(pidfile + ".tmp", "w") as f:
-        f.write("%d\n" % os.getpid())
-    os.replace(pidfile + ".tmp", pidfile)
+    else:
+        write_pidfile(pidfile, text=True)
     if os.path.exists(os.path.join(a.out_dir, "MANIFEST.json")):
         os.replace(os.path.join(a.out_dir, "MANIFEST.json"), os.path.join(a.out_dir, "MANIFEST.prev.json"))
     run = Run(a)
@@ -534,44 +508,10 @@ def read_api_key(path):
         return f.read().strip()
 
 
-def read_pid(path):
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def status(out_dir):
-    p = os.path.join(out_dir, "progress.json")
-    try:
-        with open(p) as f:
-            prog = json.load(f)
-    except (OSError, ValueError):
-        prog = {"state": "absent"}
-    pid = read_pid(os.path.join(out_dir, "datagen.pid"))
-    prog["running"] = bool(pid and alive(pid))
-    if prog.get("state") == "running" and not prog["running"]:
-        prog["state"] = "died"
-    try:
-        with open(os.path.join(out_dir, "MANIFEST.json")) as f:
-            prog["manifest"] = json.load(f)
-    except (OSError, ValueError):
-        prog["manifest"] = None
+    prog = job_status(os.path.join(out_dir, "progress.json"), live_pid(os.path.join(out_dir, "datagen.pid")),
+                      os.path.join(out_dir, "datagen.log"), "client")
+    prog["manifest"] = read_json(os.path.join(out_dir, "MANIFEST.json"))
     return prog
 
 

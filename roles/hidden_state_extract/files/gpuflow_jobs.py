@@ -1,0 +1,1 @@
+../../detached_job/files/gpuflow_jobs.py
