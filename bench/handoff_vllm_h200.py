@@ -5,12 +5,16 @@
 Each hand-off is of a fresh server on the same GPUs, started by the vllm_server role (process launcher:
 the GPU machine has no systemd). A round hands the GPUs over three ways, one server each:
 
-  role   (pipeline) one ansible-playbook command, as playbooks/pipeline.yml runs the hand-off:
+  role   (pipeline) one ansible-playbook command, as playbooks/pipeline.yml runs the hand-off: the play
+         first finds the server as the generate stage leaves it (vllm_server state=started on the running
+         server: nothing changes, and the play knows what a pipeline run knows by the hand-off), then
          vllm_server state=stopped (SIGTERM to the server's process group, wait until it is empty), then
          gpu_drain verifies the GPUs free (NVML: no compute process, memory back at its baseline;
-         cmdline_pattern is the run's tag, so only this server could ever be signalled). Timed as the
-         whole command, and inside it from the hand-off's first task to the verdict (a pipeline run has
-         Ansible started by then). The log of each command (ANSIBLE_LOG_PATH) has every task's time.
+         cmdline_pattern is the run's tag, so only this server could ever be signalled). Timed inside the
+         play from the hand-off's first task to the verdict (in_playbook_s, the figure a pipeline run
+         spends), and as a command of its own (ready_s: the command's wall time less the part before the
+         hand-off's first task). memory_free_s counts from the hand-off's first task too. The log of each
+         command (ANSIBLE_LOG_PATH) has every task's time; the bench keeps the hand-off's slowest tasks.
   drain  the same command without the server's own stop: gpu_drain selects the server by its tag and
          ends it as a whole (one killpg), then verifies.
   seed   the seed's recipe (msg 2958), verbatim after its `systemctl stop`, which becomes what systemd
@@ -74,19 +78,32 @@ HANDOFF_PLAY = """- name: Hand the GPUs over
   hosts: localhost
   gather_facts: false
   tasks:
+    - name: Note the start of the play
+      ansible.builtin.set_fact:
+        play_t0: "{{ now().timestamp() }}"
+    - name: Find the server as the generate stage leaves it (running already; nothing changes)
+      ansible.builtin.include_role:
+        name: gpuflow.eagle3.vllm_server
+      vars:
+        vllm_server_state: started
+      when: handoff_method == 'pipeline'
     - name: Note the start of the hand-off
       ansible.builtin.set_fact:
         handoff_t0: "{{ now().timestamp() }}"
     - name: Stop the server
       ansible.builtin.include_role:
         name: gpuflow.eagle3.vllm_server
+      vars:
+        vllm_server_state: stopped
       when: handoff_method == 'pipeline'
     - name: Drain and verify the GPUs
       ansible.builtin.include_role:
         name: gpuflow.eagle3.gpu_drain
     - name: Say how long the hand-off took
       ansible.builtin.debug:
-        msg: "handoff_in_playbook_s={{ now().timestamp() - handoff_t0 | float }}"
+        msg: >-
+          handoff_in_playbook_s={{ now().timestamp() - handoff_t0 | float }}
+          handoff_t0={{ handoff_t0 }} before_handoff_s={{ handoff_t0 | float - play_t0 | float }}
 """
 
 
@@ -108,14 +125,23 @@ class MemoryWatch(threading.Thread):
 
     def run(self):
         while not self.stop.is_set():
-            self.samples.append((time.monotonic(), self.used()))
+            self.samples.append((time.time(), self.used()))
             time.sleep(0.05)
 
     def free_at(self, t0):
+        """Seconds from t0 (time.time()) to the first sample back at the baseline."""
         for t, used in self.samples:
             if t >= t0 and at_baseline(used, self.baseline):
                 return round(t - t0, 3)
         return None
+
+
+def nvml_init_seconds(times=5):
+    """Median seconds of nvmlInit in a fresh process (what each gpu_drain module run pays once)."""
+    code = "import time, pynvml; t = time.monotonic(); pynvml.nvmlInit(); print(time.monotonic() - t); pynvml.nvmlShutdown()"
+    runs = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+            for dummy in range(times)]
+    return round(statistics.median(runs), 4)
 
 
 def at_baseline(used, baseline):
@@ -154,9 +180,9 @@ def seed_in_namespace(a):
         watch = MemoryWatch(gpus, baseline)
         watch.start()
         recipe = SYSTEMCTL_STOP.format(pgid=server.pid, pid=server.pid) + " && " + SEED_RECIPE
-        t0 = time.monotonic()
+        t0 = time.time()
         p = subprocess.run(["bash", "-c", recipe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
-        res["ready_s"] = round(time.monotonic() - t0, 3)
+        res["ready_s"] = round(time.time() - t0, 3)
         time.sleep(0.3)
         watch.stop.set()
         res["memory_free_s"] = watch.free_at(t0)
@@ -175,12 +201,29 @@ def seed_in_namespace(a):
     return 0
 
 
+def task_times(log):
+    """(seconds, task name) of each task of the hand-off (from "Note the start of the hand-off" on) in an
+    ANSIBLE_LOG_PATH log: the time from its TASK line to the next one."""
+    stamps = []
+    with open(log) as f:
+        for line in f:
+            m = re.match(r"(\d+-\d+-\d+ \d+:\d+:\d+),(\d+) .*?\| (TASK \[.*?\]|PLAY RECAP)", line)
+            if m:
+                stamps.append((time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000,
+                               m.group(3)))
+    names = [n for dummy, n in stamps]
+    start = "TASK [Note the start of the hand-off]"
+    first = names.index(start) if start in names else 0
+    return [(round(t2 - t1, 3), n[6:-1]) for (t1, n), (t2, dummy) in zip(stamps[first:], stamps[first + 1:])]
+
+
 def handoff_playbook(work, ev, method):
-    """(rc, whole-command seconds, in-playbook seconds, recap) of HANDOFF_PLAY; its log keeps per-task times."""
+    """(rc, seconds of the hand-off as a command of its own, in-playbook seconds, the hand-off's start as
+    time.time(), recap, the 8 slowest tasks) of HANDOFF_PLAY."""
     with open(os.path.join(work, "handoff.yml"), "w") as f:
         f.write(HANDOFF_PLAY)
     with open(os.path.join(work, "handoff.json"), "w") as f:
-        json.dump(dict(ev, vllm_server_state="stopped", handoff_method=method), f)
+        json.dump(dict(ev, handoff_method=method), f)
     log = os.path.join(work, "handoff-%s.log" % method)
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_COLLECTIONS_PATH=ensure_collection_link(), ANSIBLE_LOG_PATH=log)
@@ -189,10 +232,15 @@ def handoff_playbook(work, ev, method):
                                               "-e", "ansible_python_interpreter=" + sys.executable]
     t0 = time.monotonic()
     p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
-    wall = round(time.monotonic() - t0, 3)
-    inside = [float(x) for x in re.findall(r"handoff_in_playbook_s=([0-9.]+)", p.stdout)]
+    wall = time.monotonic() - t0
+    found = re.search(r"handoff_in_playbook_s=([0-9.]+) handoff_t0=([0-9.]+) before_handoff_s=([0-9.]+)", p.stdout)
     recap = [line for line in p.stdout.splitlines() if line.startswith("localhost")]
-    return p.returncode, wall, round(inside[0], 3) if inside else None, recap[-1] if recap else p.stdout[-2000:]
+    recap = recap[-1] if recap else p.stdout[-2000:]
+    if not found:
+        return p.returncode, round(wall, 3), None, None, recap, []
+    inside, handoff_t0, before = (float(x) for x in found.groups())
+    slowest = sorted(task_times(log), reverse=True)[:8]
+    return p.returncode, round(wall - before, 3), round(inside, 3), handoff_t0, recap, slowest
 
 
 def role_round(a, tp, work, inflight=None, method="pipeline"):
@@ -223,12 +271,12 @@ def role_round(a, tp, work, inflight=None, method="pipeline"):
             time.sleep(a.inflight_after)
         watch = MemoryWatch(gpus, baseline)
         watch.start()
-        t0 = time.monotonic()
-        rc, wall, inside, recap = handoff_playbook(work, ev, method)
-        out.update(method=method, handoff_rc=rc, ready_s=wall, in_playbook_s=inside, recap=recap)
+        rc, wall, inside, handoff_t0, recap, slowest = handoff_playbook(work, ev, method)
+        out.update(method=method, handoff_rc=rc, ready_s=wall, in_playbook_s=inside, recap=recap,
+                   slowest_tasks=slowest)
         time.sleep(0.3)
         watch.stop.set()
-        out["memory_free_s"] = watch.free_at(t0)
+        out["memory_free_s"] = watch.free_at(handoff_t0) if handoff_t0 else None
         for c in clients:
             c.join(timeout=120)
         if clients:
@@ -351,12 +399,13 @@ def write(result, a):
         return {tp: round(per[tp][num] / per[tp][den], 2) for tp in tps if per[tp][num] and per[tp][den]}
     result.update(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), machine=machine(), commit=commit())
     result["summary"] = dict(
-        {key: {tp: per[tp][key] for tp in tps} for key in (
+        ratio_in_playbook=ratio("seed_ready_s", "role_in_playbook_s"),
+        nvml_init_s=result.get("nvml_init_s"),
+        **{key: {tp: per[tp][key] for tp in tps} for key in (
             "role_ready_s", "seed_ready_s", "drain_ready_s", "role_in_playbook_s", "drain_in_playbook_s",
             "role_collateral_kills", "seed_collateral_kills", "role_memory_free_s", "drain_memory_free_s",
             "seed_memory_free_s")},
         ratio=ratio("seed_ready_s", "role_ready_s"), ratio_drain=ratio("seed_ready_s", "drain_ready_s"),
-        ratio_in_playbook=ratio("seed_ready_s", "role_in_playbook_s"),
         ratio_drain_in_playbook=ratio("seed_ready_s", "drain_in_playbook_s"),
         rounds={tp: len(per[tp]["rounds"]) for tp in tps})
     for key, r in result["inflight"].items():
@@ -395,6 +444,7 @@ def main():
     if a.merge and os.path.exists(a.out):
         with open(a.out) as f:
             result = json.load(f)
+    result["nvml_init_s"] = nvml_init_seconds()
     # ansible's own first run writes its bytecode caches; every measured command after it is warm
     playbook(os.path.join(a.work, "warmup"), {"vllm_server_state": "stopped", "vllm_server_name": "warmup",
                                               "vllm_server_home": os.path.join(a.work, "warmup"),
