@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_backend import bad_number
 from ansible_collections.gpuflow.eagle3.plugins.module_utils.gpu_reset import (
@@ -257,3 +258,87 @@ def host_report(act, drain_result, drain_ok, result, base, check_mode, was_drain
         "explanation": explain(drain_result, drain_ok, base["gpus"]),
         "gpus": rows,
     }
+
+
+def _vars_of(host_vars, host):
+    """One host's variables, {} for a host Ansible does not know."""
+    try:
+        hv = host_vars[host]
+    except KeyError:
+        return {}
+    return hv if isinstance(hv, Mapping) else {}  # an unknown host's hostvars entry is Undefined
+
+
+def fleet_host_report(host, hv, breaker, stage):
+    """The row of one targeted host in the fleet summary, from whatever the playbook's plays left in its variables.
+
+    ``hv`` may hold ``gpu_reset_report`` (the role ran), ``gpu_reset_result`` (the batch's module call) and
+    ``gpu_reset_assessment`` (the pre-flight: the role's assess entry point); ``breaker`` is the circuit breaker's sort
+    (``down``, ``go``); ``stage`` is ``breaker``, ``batch`` or ``final``.
+    """
+    pf = hv.get("gpu_reset_assessment")
+    result = hv.get("gpu_reset_result")
+    if "gpu_reset_report" in hv:
+        return dict(hv["gpu_reset_report"])
+    if isinstance(result, Mapping) and "report" in result:
+        return dict({"host": host}, **result["report"])
+    rep = {"host": host, "ok": False, "gpus": []}
+    if pf is None or pf.get("unreachable"):
+        rep.update(outcome="unreachable", explanation="not reachable at pre-flight" + (
+            ": " + pf.get("msg", "") if pf is not None else ""))
+    elif "plan" not in pf:
+        rep.update(outcome="preflight_failed", explanation=pf.get("msg", ""))
+    elif host in breaker.get("down", []):
+        rep.update(outcome="needs_power_cycle", needs_power_cycle=True,
+                   explanation="marked needs_power_cycle by an earlier run and its GPUs still need a reset; not retried")
+    elif stage == "breaker":
+        rep.update(outcome="not_run", explanation="circuit breaker tripped before any change")
+    elif host in breaker.get("go", []) and result is not None:
+        # registered, but without a report: the module call itself failed
+        rep.update(outcome="failed", explanation="failed before reporting (unreachable during the run?): " + result.get("msg", ""))
+    elif host in breaker.get("go", []):
+        rep.update(outcome="not_run", explanation="not run: the run stopped before its batch (max_fail_percentage crossed, "
+                                                  "or every host of a batch failed)")
+    else:
+        rep.update(outcome="healthy", ok=True, explanation="no GPU needed a reset (pre-flight)")
+    return rep
+
+
+def fleet_summary(hosts, host_vars, breaker, stage):
+    """The fleet summary the ``gpu_reset`` role's ``summary`` entry point writes: one report per targeted host
+    (:func:`fleet_host_report`), one row per GPU (per host when no GPU is known), and a count per outcome."""
+    reports, rows, counts = [], [], {}
+    for h in hosts:
+        hv = _vars_of(host_vars, h)
+        rep = fleet_host_report(h, hv, breaker, stage)
+        pf = hv.get("gpu_reset_assessment")
+        gpus = rep.get("gpus") or []
+        # hosts never reset show the GPUs the pre-flight saw
+        seen = list(pf.get("gpus") or []) if pf is not None and rep["outcome"] in ("healthy", "not_run") else []
+        reports.append(rep)
+        counts[rep["outcome"]] = counts.get(rep["outcome"], 0) + 1
+        times = {"drain_s": rep.get("drain_s"), "host_s": rep.get("host_s")}
+        if not (gpus or seen):
+            rows.append(dict(times, host=h, gpu="-", action="none", verdict=rep["outcome"], reset_s=rep.get("reset_s")))
+        for g in gpus or seen:
+            rows.append(dict(times, host=h, gpu=g["gpu"] if "gpu" in g else g.get("index"),
+                             action=g.get("action", "none") if rep["outcome"] != "not_run" else "none",
+                             verdict=g.get("verdict") if gpus else rep["outcome"], reset_s=g.get("reset_s")))
+    return {"stage": stage, "breaker": breaker, "hosts": reports, "rows": rows, "outcomes": counts}
+
+
+def fleet_table(summary):
+    """The summary as text lines: one per row, then why each host that is not ok is not."""
+    fmt = "%-28s %-4s %-12s %-18s %8s %8s %8s"
+
+    def secs(v):
+        return "-" if v is None else "%.2f" % float(v)
+
+    lines = [fmt % ("HOST", "GPU", "ACTION", "VERDICT", "DRAIN_S", "RESET_S", "HOST_S")]
+    for r in summary["rows"]:
+        lines.append(fmt % (r["host"], r["gpu"], r["action"], r["verdict"], secs(r["drain_s"]), secs(r["reset_s"]),
+                            secs(r["host_s"])))
+    for h in summary["hosts"]:
+        if h.get("explanation") and not h.get("ok"):
+            lines.append("  %s: %s" % (h["host"], h["explanation"]))
+    return lines

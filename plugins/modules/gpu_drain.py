@@ -143,6 +143,15 @@ options:
       - Fail the task when a target GPU is not V(ready) at the end. The result still carries every GPU's verdict.
     type: bool
     default: true
+  state_file:
+    description:
+      - The host's GPU state file that the collection's roles share with M(gpuflow.eagle3.gpu_reset). When given, a
+        drain that changed something adds itself to the file's C(drain) record (C(drained), C(since), the O(units)
+        in C(services_stopped), the target GPUs in C(gpus); units and GPUs accumulate over drains), so that a
+        restore starts exactly those units again and a fleet reset leaves the host drained. Never in check mode.
+      - The file is read before anything is stopped or signalled; one that is not a JSON object fails the task then.
+      - Unset, no state file is read or written.
+    type: path
 extends_documentation_fragment:
   - gpuflow.eagle3.gpu_backend
   - gpuflow.eagle3.attributes
@@ -304,6 +313,11 @@ elapsed_s:
   returned: always
   type: float
   sample: 0.61
+host_state:
+  description: The state file's content as this module left it.
+  returned: when O(state_file) is given
+  type: dict
+  sample: {drain: {drained: true, since: "2025-01-01T00:00:00+00:00", services_stopped: [vllm-kimi.service], gpus: [0, 1]}}
 '''
 
 import time
@@ -333,6 +347,17 @@ def _render_diff(d):
     }
 
 
+def _read_state(module, path):
+    """The state file, read before anything is stopped: a drain that could not be recorded is not started."""
+    # imported here: only a drain that records itself pays for compiling it (AnsiballZ caches no byte code)
+    from ansible_collections.gpuflow.eagle3.plugins.module_utils.host_state import read_state_file
+
+    try:
+        return read_state_file(path)
+    except ValueError as e:
+        module.fail_json(msg="cannot read the state file %s: %s" % (path, e), changed=False)
+
+
 def main():
     argument_spec = dict(
         gpus=dict(type="list", elements="str", default=["all"]),
@@ -352,6 +377,7 @@ def main():
         memory_baseline_mib=dict(type="int"),
         unit_stop_timeout=dict(type="float", default=120.0),
         fail_when_not_ready=dict(type="bool", default=True),
+        state_file=dict(type="path"),
     )
     argument_spec.update(backend_argument_spec())
     module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
@@ -361,12 +387,13 @@ def main():
         return module.run_command(argv, environ_update={"SYSTEMD_PAGER": "", "LC_ALL": "C"})
 
     systemd = Systemd(run)
-    not_drain = ("backend", "sim_state_dir", "nvml_timeout", "fail_when_not_ready")
+    not_drain = ("backend", "sim_state_dir", "nvml_timeout", "fail_when_not_ready", "state_file")
     params = dict((k, p[k]) for k in argument_spec if k not in not_drain)
     try:
         drain_params(params)  # bad options fail before the backend looks at any GPU
     except DrainError as e:
         module.fail_json(msg=str(e), changed=False)
+    state = _read_state(module, p["state_file"]) if p["state_file"] else None
     backend = open_backend_for_module(module)
     try:
         result = run_drain(backend, params, check_mode=module.check_mode, systemd=systemd,
@@ -378,6 +405,17 @@ def main():
     finally:
         backend.close()
 
+    if p["state_file"]:
+        if result["changed"] and not module.check_mode:
+            from ansible_collections.gpuflow.eagle3.plugins.module_utils.host_state import write_drain_record
+
+            try:
+                state = write_drain_record(p["state_file"], state, result, params["units"])
+            except OSError as e:
+                result.pop("diff")
+                module.fail_json(msg="drained, but the state file %s could not be written: %s" % (p["state_file"], e),
+                                 **result)
+        result["host_state"] = state
     diff = result.pop("diff")
     result.pop("check_mode", None)
     if module._diff:
