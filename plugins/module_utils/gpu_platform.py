@@ -6,7 +6,21 @@
 :func:`platform_info` gathers, per GPU, the architecture, NVLink peers, ECC / MIG pending modes and
 virtualization (from the simulated state, or from an out-of-process NVML probe), whether an NVSwitch
 fabric is present and whether Fabric Manager runs.  :func:`nvlink_groups` turns those facts into reset
-groups under NVIDIA's NVLink rules (see :mod:`.gpu_reset`).
+groups under NVIDIA's NVLink rules.
+
+NVLink rules implemented (NVIDIA's nvidia-smi documentation, ``-r``):
+
+* Pre-Ampere GPUs (Volta, Turing, Pascal...) with NVLink: a GPU and all its NVLink peers must
+  be reset in the same command: the group is the peer closure.
+* Ampere with NVSwitch: individual reset needs Fabric Manager running; with FM running each
+  GPU is its own group and FM is kept running; without FM every GPU on the fabric is reset
+  together.
+* Ampere without NVSwitch (direct NVLink bridges), Hopper and later (NVSwitch or not):
+  individual reset; Fabric Manager is not a prerequisite and is left as it is
+  (``fabric_manager=stop`` stops and restores it; ``keep`` never touches it).
+* Unknown architecture with NVLink peers: treated like pre-Ampere (the safe reading).
+* When the closure reaches GPUs the caller did not choose: ``nvlink_peers=expand`` adds them
+  (they are checked for holders like the others), ``fail`` blocks the group.
 """
 
 from __future__ import annotations

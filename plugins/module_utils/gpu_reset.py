@@ -16,7 +16,7 @@ probe, NVLink groups), :mod:`.reset_plan` (health checks, plan; no side effects)
    pending modes, virtualization), holders (same discovery as ``gpu_drain``), health;
 2. decide (:func:`reset_decide`) which GPUs need a reset (``force`` resets every chosen GPU);
    a clean host stops here, unchanged (:func:`reset_healthy_verdict`);
-3. plan (:func:`reset_plan`, with :func:`.reset_plan.build_plan`, pure): reset groups (NVLink rules below),
+3. plan (:func:`reset_plan`, with :func:`.reset_plan.build_plan`, pure): reset groups (NVLink rules),
    prerequisites, the daemons to stop, the GPUs whose persistence mode is turned off.  A group
    with an unmet prerequisite is ``blocked`` and nothing is done to it.  Check mode returns the
    plan (:func:`reset_planned_verdict`);
@@ -33,30 +33,7 @@ probe, NVLink groups), :mod:`.reset_plan` (health checks, plan; no side effects)
    failed: power cycle the node, as NVIDIA's documentation says), ``failed`` (command error or
    timeout).
 
-NVLink rules implemented (NVIDIA's nvidia-smi documentation, ``-r``):
-
-* Pre-Ampere GPUs (Volta, Turing, Pascal...) with NVLink: a GPU and all its NVLink peers must
-  be reset in the same command: the group is the peer closure.
-* Ampere with NVSwitch: individual reset needs Fabric Manager running; with FM running each
-  GPU is its own group and FM is kept running; without FM every GPU on the fabric is reset
-  together.
-* Ampere without NVSwitch (direct NVLink bridges), Hopper and later (NVSwitch or not):
-  individual reset; Fabric Manager is not a prerequisite and is left as it is
-  (``fabric_manager=stop`` stops and restores it; ``keep`` never touches it).
-* Unknown architecture with NVLink peers: treated like pre-Ampere (the safe reading).
-* When the closure reaches GPUs the caller did not choose: ``nvlink_peers=expand`` adds them
-  (they are checked for holders like the others), ``fail`` blocks the group.
-
-MIG: a reset destroys GPU / compute instances and applies a pending MIG mode, so a GPU with
-MIG enabled is ``blocked`` unless ``allow_mig``; on a vGPU guest with MIG enabled reset is
-``unsupported`` (NVIDIA: not supported on MIG-enabled vGPU guests).  MIG and ECC modes are
-never changed here.
-
-Holders: any holder of a GPU in a reset group blocks it ("there can't be any applications
-using these devices", including monitoring clients), except this module's own tree (its
-NVML worker is closed before the reset), protected daemons whose systemd unit is in
-``daemons`` (stopped and restored), nvidia-persistenced (covered by persistence mode off)
-and Fabric Manager where the rules keep it running.
+The NVLink rules are :mod:`.gpu_platform`'s, the MIG and holder rules :mod:`.reset_plan`'s.
 """
 
 from __future__ import annotations

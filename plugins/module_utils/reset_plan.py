@@ -7,6 +7,17 @@ Side-effect free: functions of facts already gathered (GPUs, platform, holders, 
 so that check mode and the tests see exactly what a reset would do.  :func:`health_checks` says
 whether a GPU needs a reset; :func:`build_plan` decides the reset groups, what blocks each, the
 daemons to stop and the GPUs whose persistence mode is turned off.
+
+MIG: a reset destroys GPU / compute instances and applies a pending MIG mode, so a GPU with
+MIG enabled is ``blocked`` unless ``allow_mig``; on a vGPU guest with MIG enabled reset is
+``unsupported`` (NVIDIA: not supported on MIG-enabled vGPU guests).  MIG and ECC modes are
+never changed here.
+
+Holders: any holder of a GPU in a reset group blocks it ("there can't be any applications
+using these devices", including monitoring clients), except this module's own tree (its
+NVML worker is closed before the reset), protected daemons whose systemd unit is in
+``daemons`` (stopped and restored), nvidia-persistenced (covered by persistence mode off)
+and Fabric Manager where the rules keep it running.
 """
 
 from __future__ import annotations
