@@ -91,7 +91,9 @@ def run_vllm_bench(py, shim, port, model_dir, res_dir, name, a):
            "--ignore-eos", "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency),
            "--temperature", "1.0", "--save-result", "--result-dir", res_dir, "--result-filename", name,
            "--disable-tqdm"]
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    # the role installs the job library beside datagen.py; here it is found through PYTHONPATH
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.path.join(REPO, "roles", "detached_job", "files"))
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
                        check=False)
     if p.returncode != 0:

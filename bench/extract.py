@@ -95,8 +95,10 @@ def main():
         "hidden_state_extract_gpu_check": False, "hidden_state_extract_stop_server": False,
     }
     os.makedirs(ev["hidden_state_extract_lib_dir"])
-    for name in ("hs_extract.py", "gpuflow_jobs.py", "gpuflow_cpu_hs_connector.py"):
-        shutil.copy(os.path.join(REPO, "roles", "hidden_state_extract", "files", name), ev["hidden_state_extract_lib_dir"])
+    # what the role installs: its driver and connector, and the job library of the detached_job role
+    for path in (("hidden_state_extract", "hs_extract.py"), ("detached_job", "gpuflow_jobs.py"),
+                 ("hidden_state_extract", "gpuflow_cpu_hs_connector.py")):
+        shutil.copy(os.path.join(REPO, "roles", path[0], "files", path[1]), ev["hidden_state_extract_lib_dir"])
     with open(os.path.join(root, "inv.yml"), "w") as f:
         f.write("all:\n  children:\n    extract:\n      hosts:\n        localhost:\n  vars:\n"
                 "    ansible_connection: local\n    ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")

@@ -11,7 +11,6 @@ import time
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "roles", "eagle3_train", "files", "e3_train.py")
-sys.path.insert(0, os.path.dirname(SCRIPT))  # gpuflow_jobs, shipped beside it
 spec = importlib.util.spec_from_file_location("e3_train", SCRIPT)
 E = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(E)

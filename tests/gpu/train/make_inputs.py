@@ -46,7 +46,9 @@ def log(msg):
 
 def run_json(*argv):
     """Run a script with this python; its last stdout line, parsed (its stderr passes through)."""
-    p = subprocess.run([sys.executable, *map(str, argv)], check=True, stdout=subprocess.PIPE, text=True)
+    # the role installs the job library beside hs_extract.py; here it is found through PYTHONPATH
+    env = dict(os.environ, PYTHONPATH=str(REPO / "roles" / "detached_job" / "files"))
+    p = subprocess.run([sys.executable, *map(str, argv)], check=True, stdout=subprocess.PIPE, text=True, env=env)
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 

@@ -1,1 +1,0 @@
-../../detached_job/files/gpuflow_jobs.py
