@@ -410,8 +410,9 @@ def test_the_server_gets_the_values_the_template_wrote(host):
 
 
 class Models(http.server.BaseHTTPRequestHandler):
-    """/v1/models: 401 without the key; the model only after a delay, so that the wait polls a while."""
-    ready_at = 0.0
+    """/v1/models: 401 without the key; the model only from the READY_AFTER-th request with the key on, so that
+    the wait polls a while (counted in requests, not seconds: a loaded machine may start the helper late)."""
+    READY_AFTER = 5
     authorized = []
 
     def do_GET(self):
@@ -420,7 +421,7 @@ class Models(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return
         self.authorized.append(self.path)
-        body = json.dumps({"data": [{"id": "tiny"}] if time.monotonic() > self.ready_at else []}).encode()
+        body = json.dumps({"data": [{"id": "tiny"}] if len(self.authorized) >= self.READY_AFTER else []}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -449,7 +450,7 @@ def key_holders(skip):
 def test_wait_reads_the_key_from_the_env_file_and_it_is_in_no_command_line(tmp_path):
     env_file = str(tmp_path / "x.env")
     write_env(env_file, {"VLLM_API_KEY": SECRET_KEY, "HOME": "/nonexistent"})
-    Models.ready_at = time.monotonic() + 2.0
+    Models.authorized = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -464,6 +465,7 @@ def test_wait_reads_the_key_from_the_env_file_and_it_is_in_no_command_line(tmp_p
         res = json.loads(p.stdout.read())
     finally:
         server.shutdown()
-    assert p.returncode == 0 and res["ready"] and res["seconds"] >= 1.5, res
-    assert len(Models.authorized) >= 3  # it polled with the key a while
+    # it polled with the key a while: READY_AFTER requests, --poll 0.2 s apart
+    assert p.returncode == 0 and res["ready"] and res["seconds"] >= 0.2 * (Models.READY_AFTER - 1) - 0.05, res
+    assert len(Models.authorized) == Models.READY_AFTER
     assert not seen, "the API key was visible in %s" % sorted(seen)
