@@ -156,7 +156,6 @@ def _resolve(spec, gpus):
         raise ResetError(str(e))
 
 
-
 def _worst(verdicts):
     for v in VERDICT_ORDER:
         if v in verdicts:

@@ -81,7 +81,6 @@ def needs_reset(checks):
     return [c["detail"] for c in failing(checks)]
 
 
-
 def build_plan(gpus, selected, plat, disc, p, daemon_states, systemd_ok, smi_ids_of):
     """Decide groups, prerequisites, daemons to stop and persistence changes.  Pure.
 
