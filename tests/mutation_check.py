@@ -69,7 +69,7 @@ MUTATIONS = [
              "    unlisted = []\n",
              "tests/unit/test_gpuflow_artifacts.py"),
     Mutation("launcher-pid-identity", "roles/vllm_server/files/vllm_proc.py",
-             '    if starttime != record["starttime"] or cmdline != record["cmdline"]:\n',
+             '    if starttime != record["starttime"] or argv != record["cmdline"]:\n',
              "    if False:\n",
              "tests/unit/test_vllm_proc.py"),
     Mutation("job-own-session", "roles/detached_job/files/gpuflow_jobs.py",

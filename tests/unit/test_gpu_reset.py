@@ -137,8 +137,8 @@ def run(b, params, env, check=False, systemd=None, probe=None, warns=None, own=N
 # ------------------------------------------------------------------ commands
 def test_classify_smi_reset():
     assert SMI.classify_smi_reset({"rc": 0, "stdout": "GPU 00000000:1A:00.0 was successfully reset."}) == "ok"
-    assert SMI.classify_smi_reset({"rc": 255, "stdout": "The following GPUs could not be reset:\n  GPU 00000000:1A:00.0: "
-                                 "In use by another client"}) == "busy"
+    busy = "The following GPUs could not be reset:\n  GPU 00000000:1A:00.0: In use by another client"
+    assert SMI.classify_smi_reset({"rc": 255, "stdout": busy}) == "busy"
     assert SMI.classify_smi_reset({"rc": 3, "stdout": "Resetting GPU is not supported"}) == "unsupported"
     assert SMI.classify_smi_reset({"rc": 4, "stdout": "Insufficient Permissions"}) == "failed"
     assert SMI.classify_smi_reset({"rc": 124, "timed_out": True, "stdout": ""}) == "failed"

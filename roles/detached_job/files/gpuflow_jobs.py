@@ -1,6 +1,7 @@
-"""The detached-job machinery of gpuflow's host programs (datagen.py, hs_extract.py, e3_train.py).
+"""The detached-job machinery of gpuflow's host programs (datagen.py, hs_extract.py, e3_train.py, vllm_proc.py).
 
-Shipped beside each program by its role (standard library only). One behaviour for all of them:
+Shipped beside each program by its role (standard library only), or put in front of a program that a role feeds
+to `python -` on stdin (the host_program filter). One behaviour for all of them:
 
   detach        pipe, fork, setsid, fork again, own process group, stdin from /dev/null, stdout and
                 stderr appended to the job's log; the caller returns once the job has recorded its pid.
@@ -12,8 +13,10 @@ Shipped beside each program by its role (standard library only). One behaviour f
   job_status    a job that vanished without writing its last state (SIGKILL, OOM killer, reboot) reads
                 ``died``, with its log named.
   emit          one JSON line on stdout, flushed (what the roles parse).
+  sha256_file   a file's checksum, read in 1 MiB pieces (the jobs' input fingerprints).
 """
 import errno
+import hashlib
 import json
 import os
 import sys
@@ -62,6 +65,14 @@ def atomic_json(path, obj, sync=True):
     os.replace(tmp, path)
     if sync:
         sync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- processes and pid files

@@ -14,8 +14,9 @@ Runs with the speculators venv's python, around speculators 0.9.0's own commands
             Prints {"problems": [...]} and the figures; exit 0 either way.
   budget    the pipeline's preflight (playbooks/preflight.yml), before any data exists: the same
             rules and disk formula as plan, the samples from the data manifest or the inventory's
-            expectation. JSON in (--inputs), JSON out; standard library only, so it runs with
-            any python3 of the host (fed on stdin) before speculators is installed.
+            expectation. JSON in (--inputs), JSON out; the standard library and gpuflow_jobs only,
+            so it runs with any python3 of the host before speculators is installed (the preflight
+            feeds it on stdin, put together with gpuflow_jobs by the host_program filter).
   drafter   the pipeline's preflight of the training: the EAGLE-3 drafter's shape for the
             verifier and the GPU memory its training needs, against the declared GPUs.
   smoke     one sample through the extraction server: layer count, sequence length,
@@ -50,6 +51,8 @@ import subprocess
 import sys
 import time
 
+from gpuflow_jobs import atomic_json, detach, emit, job_status, live_pid, read_json, sha256_file, write_pidfile
+
 SCHEMA = 1
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
@@ -60,34 +63,6 @@ ONLINE_MARK = ".gpuflow-online.json"
 
 
 # ----------------------------------------------------------------------------- small helpers
-def jobs():
-    """The job library the role ships beside this file (detach, pid files, atomic writes, a vanished job's state).
-    Imported on use: budget and drafter also run fed on stdin, without it, so emit and read_json stay here."""
-    import gpuflow_jobs  # pylint: disable=import-outside-toplevel
-    return gpuflow_jobs
-
-
-def emit(obj):
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-def read_json(path, default=None):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # multimodal wrappers whose text model (layers, width, vocabulary) sits under text_config
 WRAPPER_MODEL_TYPES = ("kimi_k25",)
 
@@ -254,7 +229,7 @@ def cmd_prepare(a):
     info = {"fingerprint": fp, "samples": len(lengths), "tokens": int(sum(lengths)),
             "max_seq_len": int(max(lengths)), "seq_length": a.seq_length,
             "inputs": a.data, "seconds": round(time.time() - t0, 1), "schema": SCHEMA}
-    jobs().atomic_json(os.path.join(tmp, "PREPARED.json"), info)
+    atomic_json(os.path.join(tmp, "PREPARED.json"), info)
     # swap in only the complete dataset: a failure above leaves the old one untouched
     if os.path.exists(a.output):
         shutil.rmtree(a.output)
@@ -687,7 +662,7 @@ def job_alive(out):
     def looks_like(args):
         return any(x.endswith("hs_extract.py") for x in args) and os.path.abspath(out) in args
 
-    return jobs().live_pid(job_paths(out)["pid"], looks_like)
+    return live_pid(job_paths(out)["pid"], looks_like)
 
 
 def die_with_parent():
@@ -723,7 +698,7 @@ class Job:
              "rank": a.rank, "world_size": a.world_size, "updated": time.time()}
         p.update(extra or {})
         # running: rewritten every second, worthless after a crash
-        jobs().atomic_json(self.p["progress"], p, sync=state != "running")
+        atomic_json(self.p["progress"], p, sync=state != "running")
         return p
 
     def one_pass(self):
@@ -789,12 +764,12 @@ def cmd_run(a):
     paths = job_paths(a.out)
     if a.detach:
         # the job leads its own process group: one signal reaches it and its client
-        launched = jobs().detach(paths["log"], paths["pid"])
+        launched = detach(paths["log"], paths["pid"])
         if launched is not None:
             emit(launched)
             return 0
     else:
-        jobs().write_pidfile(paths["pid"])
+        write_pidfile(paths["pid"])
     job = Job(a)
     job.progress("starting")
     rc = job.run()
@@ -805,7 +780,7 @@ def cmd_run(a):
 
 def cmd_status(a):
     paths = job_paths(a.out)
-    emit(jobs().job_status(paths["progress"], job_alive(a.out), paths["log"], "extraction job"))
+    emit(job_status(paths["progress"], job_alive(a.out), paths["log"], "extraction job"))
     return 0
 
 
@@ -854,7 +829,7 @@ def cmd_validate(a):
     if not problems:
         shard_dir = os.path.join(a.out, "shards")
         os.makedirs(shard_dir, exist_ok=True)
-        jobs().atomic_json(os.path.join(shard_dir, "rank-%d-of-%d.json" % (a.rank, a.world_size)), record)
+        atomic_json(os.path.join(shard_dir, "rank-%d-of-%d.json" % (a.rank, a.world_size)), record)
         # files vLLM staged for requests whose client is gone (a killed run): never moved, never used
         for n in os.listdir(a.staging) if os.path.isdir(a.staging) else []:
             if n.endswith(".safetensors") or n.endswith(".safetensors.lock"):
@@ -877,7 +852,7 @@ def cmd_finish(a):
                    "dtype", "token_ids equal the dataset's input_ids", "smoke test of one sample"],
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    jobs().atomic_json(os.path.join(a.out, "MANIFEST.json"), manifest)
+    atomic_json(os.path.join(a.out, "MANIFEST.json"), manifest)
     emit({"changed": True, "samples": manifest["samples"]})
     return 0
 
@@ -906,10 +881,10 @@ def cmd_serve_manifest(a):
     mark = os.path.join(a.connector_path, ONLINE_MARK)
     if read_json(mark) != {"fingerprint": a.fingerprint, "host": a.host}:
         os.makedirs(a.connector_path, exist_ok=True)
-        jobs().atomic_json(mark, {"fingerprint": a.fingerprint, "host": a.host})
+        atomic_json(mark, {"fingerprint": a.fingerprint, "host": a.host})
         changed = True
     if changed:
-        jobs().atomic_json(path, manifest)
+        atomic_json(path, manifest)
     emit({"changed": changed, "samples": manifest["samples"]})
     return 0
 
@@ -938,7 +913,7 @@ def cmd_release(a):
     changed = removed > 0
     if m and m.get("mode") == "online" and m.get("status") == "serving":
         m.update(status="released", released=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        jobs().atomic_json(manifest_path, m)
+        atomic_json(manifest_path, m)
         changed = True
     emit({"changed": changed, "leftovers_removed": removed})
     return 0

@@ -51,21 +51,13 @@ import signal
 import sys
 import time
 
-from gpuflow_jobs import atomic_json, detach, job_status, live_pid, read_json, write_pidfile
+from gpuflow_jobs import atomic_json, detach, job_status, live_pid, read_json, sha256_file, write_pidfile
 
 RETRY_STATUS = {408, 409, 425, 429}
 SCHEMA = 1
 
 
 # ----------------------------------------------------------------------------- files
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def repair_tail(path):
     """Cut a torn last line (a crash mid-write) so the file holds whole rows only."""
     if not os.path.exists(path):

@@ -1,4 +1,6 @@
-"""Process helper for gpuflow.eagle3.vllm_server (stdlib only, runs on the managed host).
+"""Process helper for gpuflow.eagle3.vllm_server (runs on the managed host: the standard library and the job
+library gpuflow_jobs.py, installed beside it, or put in front of it by the host_program filter when the role
+feeds the controller's copy to `python -` on stdin).
 
 It runs as root on a privileged run while the server runs as its service account, which owns
 vllm_server_home. So it never follows a symlink that account could have made, writes its pid file
@@ -51,6 +53,8 @@ import time
 import urllib.error
 import urllib.request
 
+from gpuflow_jobs import cmdline, emit, stat_fields
+
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 MAX_SYMLINKS = 40
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -61,7 +65,7 @@ class Refused(Exception):
 
 
 def out(obj, rc=0):
-    sys.stdout.write(json.dumps(obj) + "\n")
+    emit(obj)
     sys.exit(rc)
 
 
@@ -71,21 +75,12 @@ def all_pids():
             yield int(d)
 
 
-def read(path, mode="r"):
+def read(path):
     try:
-        with open(path, mode) as f:
+        with open(path) as f:
             return f.read()
     except OSError:
         return None
-
-
-def stat_fields(pid):
-    """The fields of /proc/PID/stat after the command name, from field 3 (state) on; None if gone."""
-    text = read("/proc/%d/stat" % pid)
-    if not text:
-        return None
-    # comm may contain spaces and parentheses: split after the last ')'
-    return text.rsplit(")", 1)[1].split()
 
 
 def pgid_of(pid):
@@ -98,11 +93,9 @@ def pgid_of(pid):
 def process_identity(pid):
     """(pgid, starttime, cmdline) of a live process, None when it is gone or a zombie."""
     fields = stat_fields(pid)
-    raw = read("/proc/%d/cmdline" % pid, "rb")
-    if not fields or fields[0] == "Z" or raw is None:
+    if not fields or fields[0] == "Z":
         return None
-    cmdline = raw.decode("utf-8", "surrogateescape").split("\0")[:-1]
-    return int(fields[2]), int(fields[19]), cmdline
+    return int(fields[2]), int(fields[19]), cmdline(pid)
 
 
 def exec_identity(pid, timeout=2.0):
@@ -310,10 +303,10 @@ def identity_mismatch(record):
     now = process_identity(pid)
     if now is None:
         return "PID %d has exited" % pid
-    pgid, starttime, cmdline = now
-    if starttime != record["starttime"] or cmdline != record["cmdline"]:
+    pgid, starttime, argv = now
+    if starttime != record["starttime"] or argv != record["cmdline"]:
         return ("PID %d is another process now (started at tick %d, not %d; command %s)"
-                % (pid, starttime, record["starttime"], json.dumps(cmdline)[:300]))
+                % (pid, starttime, record["starttime"], json.dumps(argv)[:300]))
     if pgid != pid:
         return "PID %d no longer leads its process group" % pid
     return None
