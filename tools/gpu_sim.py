@@ -97,7 +97,7 @@ def cmd_init(a):
     return 0
 
 
-def _open_devices(d, gpus, every_gpu=False):
+def open_devices(d, gpus, every_gpu=False):
     """Open the device nodes.  Like CUDA, a context holder opens *every* GPU's node
     (every_gpu); a management client opens only the GPUs it asked for."""
     if every_gpu:
@@ -115,7 +115,7 @@ def _become_holder(a, mib, report_fd):
     """Open the device files, register memory, report our PID, then wait for signals."""
     d = os.path.abspath(a.state_dir)
     _install_term_handler(a)
-    fds = _open_devices(d, a.gpu, every_gpu=not a.management_client)
+    fds = open_devices(d, a.gpu, every_gpu=not a.management_client)
     if not a.management_client:
         me = psutil.Process()
         _atomic_write_json(os.path.join(d, "holders", "%d.json" % me.pid), {
@@ -185,7 +185,7 @@ def cmd_hold(a):
     own_hold = not a.escape and not a.orphan
     if own_hold:
         d = os.path.abspath(a.state_dir)
-        a._fds = _open_devices(d, a.gpu, every_gpu=not a.management_client)  # kept open
+        a._fds = open_devices(d, a.gpu, every_gpu=not a.management_client)  # kept open
         if not a.management_client:
             _register_holder(d, psutil.Process(), a.gpu, a.mib)
         holders.append(os.getpid())

@@ -322,3 +322,40 @@ def test_no_nvml_fails_clearly(tmp_path):
     rc, res, wall = run_module("gpu_drain", {"backend": "nvml", "nvml_timeout": 5}, timeout=60)
     assert rc != 0 and "no usable GPU backend" in res["msg"] and "NVML" in res["msg"], res
     assert wall < 30
+
+
+SERVER = """
+import subprocess, sys, time
+# the API server spawns its engine as a fresh interpreter (as vLLM's multiprocessing does); both inherit the env
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(engine.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("with_site", [True, False], ids=["device-files-held", "attached-only"])
+def test_server_started_with_the_sim_site_is_drained_by_its_pid(sim, with_site):
+    """The pipeline's hand-off gives gpu_drain the launcher's group leader. With tools/gpu_sim_site on its
+    PYTHONPATH every Python process of the server holds the simulated device files, as CUDA's do, so the
+    drain maps the attached holders to them and stops the group; without it nothing maps, and nothing is
+    signalled (a process the drain cannot tie to the device is never a target)."""
+    env = dict(os.environ)
+    if with_site:
+        env.update(PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tools", "gpu_sim_site"), os.path.dirname(GPU_SIM)]),
+                   GPUFLOW_SIM_STATE_DIR=sim.state_dir)
+    server = subprocess.Popen([PY, "-c", SERVER], start_new_session=True, stdout=subprocess.PIPE, env=env, text=True)
+    engine = int(server.stdout.readline())
+    for pid in (server.pid, engine):
+        sim._remember(pid)
+    subprocess.check_call([PY, GPU_SIM, "attach", "--state-dir", sim.state_dir, "--gpu", "0", "--mib", "2048",
+                           "--pid", str(server.pid), "--pid", str(engine)], stdout=subprocess.DEVNULL)
+
+    rc, res, dummy = ansible("gpu_drain", {"gpus": ["0"], "pids": [server.pid], "release_timeout": 2,
+                                           "fail_when_not_ready": False}, sim.state_dir)
+    assert rc == 0, res
+    if with_site:
+        assert res["ready"] and signals(res) == [("killpg", "SIGTERM", server.pid)], res
+        assert not sim.alive(server.pid) and not sim.alive(engine)
+    else:
+        assert not res["ready"] and signals(res) == [], res
+        assert sim.alive(server.pid) and sim.alive(engine)
