@@ -8,10 +8,10 @@ the GPU machine has no systemd). A round hands the GPUs over three ways, one ser
   role   (pipeline) one ansible-playbook command, as playbooks/pipeline.yml runs the hand-off: the play
          first finds the server as the generate stage leaves it (vllm_server state=started on the running
          server: nothing changes, and the play knows what a pipeline run knows by the hand-off), then
-         reads the server's process group from the launcher's pid file (vllm_server processes.yml) and
-         gives its leader to gpu_drain, which stops it (SIGTERM to the group; its NVML check starts while
-         the server exits) and verifies the GPUs free (NVML: no compute process, memory back at its
-         baseline; the drain selects that PID alone, so only this server could ever be signalled). Timed inside the
+         runs gpu_drain with the pipeline's selection, the server's port in the command line: it stops the
+         server (SIGTERM to the group; its NVML check starts while the server exits) and verifies the GPUs
+         free (NVML: no compute process, memory back at its baseline; only a holder of the GPU under test
+         whose command line, or whose owner's, names this port could ever be signalled). Timed inside the
          play from the hand-off's first task to the verdict (in_playbook_s, the figure a pipeline run
          spends), and as a command of its own (ready_s: the command's wall time less the part before the
          hand-off's first task). memory_free_s counts from the hand-off's first task too. The log of each
@@ -91,16 +91,12 @@ HANDOFF_PLAY = """- name: Hand the GPUs over
     - name: Note the start of the hand-off
       ansible.builtin.set_fact:
         handoff_t0: "{{ now().timestamp() }}"
-    - name: Find the server's process group
-      ansible.builtin.include_role:
-        name: gpuflow.eagle3.vllm_server
-        tasks_from: processes.yml
-      when: handoff_method == 'pipeline'
     - name: Drain and verify the GPUs
       ansible.builtin.include_role:
         name: gpuflow.eagle3.gpu_drain
       vars:
-        gpu_drain_pids: "{{ [(vllm_server_status.stdout | from_json).pid] if handoff_method == 'pipeline' else [] }}"
+        gpu_drain_cmdline_pattern: >-
+          {{ ('(^| )--port ' ~ vllm_server_port ~ '( |$)') if handoff_method == 'pipeline' else vllm_server_served_model_name }}
     - name: Say how long the hand-off took
       ansible.builtin.debug:
         msg: >-
@@ -225,9 +221,8 @@ def handoff_playbook(work, ev, method):
     with open(os.path.join(work, "handoff.yml"), "w") as f:
         f.write(HANDOFF_PLAY)
     with open(os.path.join(work, "handoff.json"), "w") as f:
-        # the pipeline's drain selects the server by the PID its pid file names, the drain method by its tag
-        json.dump(dict({k: v for k, v in ev.items() if method != "pipeline" or k != "gpu_drain_cmdline_pattern"},
-                       handoff_method=method), f)
+        # the play chooses the drain's selection: the pipeline's (the server's port) or the run's tag
+        json.dump(dict({k: v for k, v in ev.items() if k != "gpu_drain_cmdline_pattern"}, handoff_method=method), f)
     log = os.path.join(work, "handoff-%s.log" % method)
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_COLLECTIONS_PATH=ensure_collection_link(), ANSIBLE_LOG_PATH=log)

@@ -421,12 +421,18 @@ def main():
     if module._diff:
         result["diff"] = _render_diff(diff)
     if not result["ready"] and not module.check_mode and p["fail_when_not_ready"]:
-        bad = ["GPU %s %s: %s" % (g["index"], g["verdict"],
-                                  "; ".join("%s%s" % ("PID %s " % b["pid"] if b.get("pid") else "", b.get("reason"))
-                                            for b in g["blocked_by"]))
-               for g in result["gpus"] if g["verdict"] != "ready"]
-        module.fail_json(msg="not every target GPU is ready: " + " | ".join(bad), **result)
+        module.fail_json(msg="not every target GPU is ready: " + not_ready_explanation(result["gpus"]), **result)
     module.exit_json(**result)
+
+
+def not_ready_explanation(gpus):
+    """One line per GPU that is not ready: its verdict and what blocks it (PID, name, reason)."""
+    reboot = " (reboot the host: a holder is in D state and survived SIGKILL)"
+    return " | ".join(
+        "GPU %s %s%s: %s" % (g["index"], g["verdict"], reboot if g["verdict"] == "needs_reboot" else "",
+                             "; ".join("%s%s" % ("PID %s %s: " % (b["pid"], b.get("name") or "") if b.get("pid") else "",
+                                                 b.get("reason")) for b in g["blocked_by"]))
+        for g in gpus if g["verdict"] != "ready")
 
 
 if __name__ == "__main__":
