@@ -61,6 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 sys.path.insert(0, os.path.join(REPO, "roles", "vllm_server", "files"))
+sys.path.insert(0, os.path.join(REPO, "roles", "detached_job", "files"))  # the job library vllm_proc.py imports
 
 from gpulib import Holders, ansible_bin, ensure_collection_link  # noqa: E402
 from vllm_proc import load_env  # noqa: E402  (the role's launcher reads its env file with it)
