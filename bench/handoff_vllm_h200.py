@@ -225,6 +225,8 @@ def handoff_playbook(work, ev, method):
         # the play chooses the drain's selection: the pipeline's (the server's port) or the run's tag
         json.dump(dict({k: v for k, v in ev.items() if k != "gpu_drain_cmdline_pattern"}, handoff_method=method), f)
     log = os.path.join(work, "handoff-%s.log" % method)
+    if os.path.exists(log):
+        os.remove(log)  # Ansible appends: each command's tasks alone
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_COLLECTIONS_PATH=ensure_collection_link(), ANSIBLE_LOG_PATH=log)
     argv = ansible_bin("ansible-playbook") + ["-i", "localhost,", "-c", "local", os.path.join(work, "handoff.yml"),
