@@ -245,6 +245,18 @@ def handoff_playbook(work, ev, method):
     return p.returncode, round(wall - before, 3), round(inside, 3), handoff_t0, recap, slowest
 
 
+def still_there(pids):
+    """(running, unreaped) of pids: those still running, and those that exited but whose parent has not yet
+    reaped them (zombies hold no memory and no device; reaping an orphan is PID 1's work, not the drain's)."""
+    running, unreaped = [], []
+    for pid in pids:
+        try:
+            (unreaped if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE else running).append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running, unreaped
+
+
 def role_round(a, tp, work, inflight=None, method="pipeline"):
     """Start with the role, then the hand-off playbook; inflight = (shutdown_timeout, requests, max_tokens)."""
     tag = "gpuflow-bench-%s" % uuid.uuid4().hex[:10]
@@ -285,7 +297,7 @@ def role_round(a, tp, work, inflight=None, method="pipeline"):
             out["requests"] = summarize_requests(clients, inflight[2])
         holders.reap()
         out["collateral"] = sorted(k for k, pid in watched.items() if not holders.alive(pid))
-        out["server_left"] = [p for p in server if psutil.pid_exists(p)]
+        out["server_left"], out["server_unreaped"] = still_there(server)
         out["freed"] = at_baseline(used_mib(gpus), baseline)
     finally:
         holders.cleanup()

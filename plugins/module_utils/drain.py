@@ -232,6 +232,7 @@ class DrainRun(object):
         self.exit_t = {}
         self.protected_pids = set()
         self.survivors = {}
+        self.followers = set()  # members of a signalled group that were not targets themselves
         self.release_t = {}
         self.last_reason = {}
         self.pending = set()
@@ -399,6 +400,10 @@ def drain_signal(d):
             drain_wait_exit(d, d.clock() + float(d.p["kill_timeout"]))
 
     d.survivors = dict((pid, {"dstate": _dstate(pid, d.proc_root)}) for pid in d.alive)
+    for pid, s in sorted(d.survivors.items()):
+        if pid in d.followers:  # a target's own survival shows in its GPU's verdict
+            d.warn("PID %d, a descendant of a target in its signalled process group, survived SIGKILL%s"
+                   % (pid, " in D state (uninterruptible): a reboot may be needed" if s["dstate"] else ""))
 
 
 def drain_signal_round(d, sig, signame):
@@ -432,6 +437,12 @@ def drain_signal_round(d, sig, signame):
             a["error"] = err
         else:
             done.update(members)
+            # the targets' descendants got the signal too: wait for them (and escalate) as for the targets,
+            # so no member of the group outlives the drain
+            for m in members:
+                if m not in d.alive and expected[m] is not None:
+                    d.alive[m] = d.allowed[m] = expected[m]
+                    d.followers.add(m)
         actions.append(a)
     for pid in pids_now:
         if pid in done:

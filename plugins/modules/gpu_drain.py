@@ -22,7 +22,8 @@ description:
     unprotected compute holder of the target GPUs is drained.
   - Escalation is C(SIGTERM) to the holder's process group where that group holds only drain targets and their
     descendants (never a protected process, never this module's own group; else to each PID), a poll until the
-    holders exit or O(grace_period) passes, C(SIGKILL) to the survivors, and a poll up to O(kill_timeout). Every
+    holders and every other member of a group so signalled exit or O(grace_period) passes, C(SIGKILL) to the
+    survivors, and a poll up to O(kill_timeout); a group member that survives it is warned about. Every
     wait is a poll of the driver and C(/proc) every O(poll_interval) seconds, never a fixed sleep.
   - Before any signal, each PID is validated. It must be an integer above 1, outside this module's process
     tree, not protected, with its create time unchanged since discovery, and seen holding a target GPU (or in a

@@ -359,3 +359,39 @@ def test_server_started_with_the_sim_site_is_drained_by_its_pid(sim, with_site):
     else:
         assert not res["ready"] and signals(res) == [], res
         assert sim.alive(server.pid) and sim.alive(engine)
+
+
+SLOW_HELPER = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (time.sleep(6), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(600)
+"""
+SERVER_WITH_SLOW_HELPER = """
+import os, subprocess, sys, time
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+# holds no device (the site is off its path), takes 6 s to exit on SIGTERM, as a resource tracker might
+helper = subprocess.Popen([sys.executable, "-c", %r], stdout=subprocess.PIPE,
+                          env=dict((k, v) for k, v in os.environ.items() if k != "PYTHONPATH"))
+helper.stdout.readline()
+print(engine.pid, helper.pid, flush=True)
+time.sleep(600)
+""" % SLOW_HELPER
+
+
+def test_member_of_the_signalled_group_that_exits_slowly_is_gone_when_the_drain_returns(sim):
+    env = dict(os.environ, GPUFLOW_SIM_STATE_DIR=sim.state_dir,
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tools", "gpu_sim_site"), os.path.dirname(GPU_SIM)]))
+    server = subprocess.Popen([PY, "-c", SERVER_WITH_SLOW_HELPER], start_new_session=True, stdout=subprocess.PIPE,
+                              env=env, text=True)
+    engine, helper = (int(x) for x in server.stdout.readline().split())
+    for pid in (server.pid, engine, helper):
+        sim._remember(pid)
+    subprocess.check_call([PY, GPU_SIM, "attach", "--state-dir", sim.state_dir, "--gpu", "0", "--mib", "2048",
+                           "--pid", str(server.pid), "--pid", str(engine)], stdout=subprocess.DEVNULL)
+
+    rc, res, dummy = ansible("gpu_drain", {"gpus": ["0"], "pids": [server.pid], "grace_period": 10}, sim.state_dir)
+    assert rc == 0 and res["ready"], res
+    assert helper not in [x["pid"] for x in res["plan"]["signal"]]  # not a target: reached through its group
+    assert signals(res) == [("killpg", "SIGTERM", server.pid)], res
+    assert not sim.alive(helper)

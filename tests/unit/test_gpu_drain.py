@@ -170,6 +170,27 @@ def test_orphans_freed_by_group(tmp_path):
     assert res["ready"]
 
 
+def test_group_member_that_ignores_sigterm_is_killed_before_the_drain_returns(tmp_path):
+    h = Host(tmp_path)
+    h.holder(BASE + 1, [0])
+    h.fp.add(BASE + 2, ppid=BASE + 1, pgid=BASE + 1, argv=["python3", "-c", "resource_tracker"])  # no GPU
+    sig = FakeSignaller(h.fp, ignore_term={BASE + 2})
+    res, sig, warnings = h.run({"grace_period": 2.0, "poll_interval": 0.05}, sig=sig)
+    assert sig.calls == [("killpg", BASE + 1, TERM, [BASE + 1, BASE + 2]), ("killpg", BASE + 1, KILL, [BASE + 2])]
+    assert not h.fp.alive(BASE + 2)
+    assert res["ready"] and warnings == []
+
+
+def test_group_member_that_survives_sigkill_is_warned_about(tmp_path):
+    h = Host(tmp_path)
+    h.holder(BASE + 1, [0])
+    h.fp.add(BASE + 2, ppid=BASE + 1, pgid=BASE + 1, state="D", argv=["python3", "-c", "resource_tracker"])
+    sig = FakeSignaller(h.fp, dstate={BASE + 2})
+    res, sig, warnings = h.run({"grace_period": 1.0, "kill_timeout": 1.0, "poll_interval": 0.05}, sig=sig)
+    assert res["ready"]
+    assert len(warnings) == 1 and "PID %d" % (BASE + 2) in warnings[0] and "D state" in warnings[0]
+
+
 def test_group_with_bystander_signals_pids_only(tmp_path):
     h = Host(tmp_path)
     h.holder(BASE + 1, [0])
