@@ -4,7 +4,10 @@
 ships). ``kimi_k25``: the same text model inside ``KimiK25ForConditionalGeneration`` (``model_type:
 kimi_k25``, the text model under ``text_config``, a tiny MoonViT tower and patch-merger projector),
 tensors under ``language_model.``, ``vision_tower.`` and ``mm_projector.``, plus the
-``preprocessor_config.json`` that vLLM builds its image processor from, even for text-only prompts.
+``preprocessor_config.json`` that vLLM builds its image processor from, even for text-only prompts, and,
+as Kimi-K2.5 ships them, a remote-code processor (``kimi_k25_processor.py``: ``KimiK25Processor``) and
+image processor (``kimi_k25_vision_processing.py``, numpy and PIL only) named by its ``auto_map``, which
+transformers' ``AutoProcessor`` (speculators' ``prepare-data``) loads with ``trust_remote_code`` only.
 
 The text model keeps Kimi's MLA head dims and ranks (kv_lora_rank 512, q_lora_rank 1536, qk_rope 64,
 qk_nope 128, v_head 128), a shared expert, a dense first layer, sigmoid ``noaux_tc`` routing with
@@ -39,7 +42,7 @@ import re
 
 from make_tiny_model import atomic_write, publish, sentence
 
-SPEC_VERSION = 1
+SPEC_VERSION = 2
 GROUP_SIZE = 32
 BPE_MAX_RANKS = 1500
 # Kimi's special tokens at their offsets from the first special id (163584 in Kimi-K2/K2.5); the
@@ -190,6 +193,112 @@ class TikTokenTokenizer(PreTrainedTokenizer):
             shutil.copyfile(self.vocab_file, target)
         return (target,)
 ''' % (PAT_STR, VOCAB_FILE)
+
+
+# Kimi-K2.5 ships its processor as remote code too: kimi_k25_processor.py and kimi_k25_vision_processing.py,
+# named by auto_map in preprocessor_config.json. These two stand in for them (see preprocessor_config).
+PROCESSOR_FILE = "kimi_k25_processor.py"
+PROCESSOR_SOURCE = '''"""Processor of gpuflow's tiny Kimi-K2.5 model (tools/tiny_kimi.py), in the manner of Kimi-K2.5's
+kimi_k25_processor.py: the image processor of kimi_k25_vision_processing.py and the tiktoken tokenizer of
+tokenization_kimi.py, which ProcessorMixin loads through AutoImageProcessor and AutoTokenizer with the
+trust_remote_code given to AutoProcessor. Named by auto_map in preprocessor_config.json: AutoProcessor
+loads it with trust_remote_code only."""
+from transformers import BatchFeature
+from transformers.processing_utils import ProcessorMixin
+
+MEDIA_TOKEN = "<|media_pad|>"
+
+
+class KimiK25Processor(ProcessorMixin):
+    def __init__(self, image_processor, tokenizer, chat_template=None):
+        # one chat template for both: the tokenizer's (tokenizer_config.json)
+        super().__init__(image_processor, tokenizer, chat_template=chat_template or tokenizer.chat_template)
+
+    def __call__(self, text, vision_chunks=None, return_tensors=None, **kwargs):
+        """Tokenize text (one string) with its n-th <|media_pad|> repeated once per token of the n-th vision
+        chunk, and add the chunks' pixel_values and grid_thws (kimi_k25_vision_processing.py)."""
+        data = {}
+        if vision_chunks:
+            pieces = text.split(MEDIA_TOKEN)
+            if len(pieces) != len(vision_chunks) + 1:
+                raise ValueError("%d %s in the text for %d vision chunks" % (len(pieces) - 1, MEDIA_TOKEN,
+                                                                            len(vision_chunks)))
+            text = pieces[0] + "".join(MEDIA_TOKEN * self.image_processor.media_tokens_calculator(chunk) + piece
+                                       for chunk, piece in zip(vision_chunks, pieces[1:]))
+            data.update(self.image_processor.preprocess(vision_chunks))
+        data.update(self.tokenizer(text, return_tensors=return_tensors, **kwargs))
+        return BatchFeature(data, tensor_type=return_tensors)
+'''
+VISION_FILE = "kimi_k25_vision_processing.py"
+VISION_SOURCE = '''"""Image processor of gpuflow's tiny Kimi-K2.5 model (tools/tiny_kimi.py), in the manner of
+Kimi-K2.5's kimi_k25_vision_processing.py, with numpy and PIL only (no torchvision). Its settings are
+media_proc_cfg in preprocessor_config.json, which vLLM's own Kimi-K2.5 image processor reads too. Named by
+auto_map there: AutoImageProcessor loads it with trust_remote_code only.
+
+A vision chunk is {"type": "image", "image": PIL image} or {"type": "video_chunk", "video_chunk": [PIL
+images]}. Its frames are scaled down to at most in_patch_limit patches (a video chunk's frames: at most
+in_patch_limit_each_frame, and their share of in_patch_limit_video) and patch_limit_on_one_side patches a
+side, padded to whole tokens (patch_size * merge_kernel_size pixels a side), and cut into patch_size
+squares, frame by frame, row by row."""
+import math
+
+import numpy as np
+from PIL import Image
+from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
+
+
+class KimiK25VisionProcessor(BaseImageProcessor):
+    model_input_names = ["pixel_values", "grid_thws"]
+
+    def __init__(self, media_proc_cfg, **kwargs):
+        super().__init__(**kwargs)
+        self.media_proc_cfg = media_proc_cfg
+        # frames pooled into one video chunk's tokens (vLLM reads this)
+        self.num_frames_per_chunk = media_proc_cfg["temporal_merge_kernel_size"]
+
+    def layout(self, chunk):
+        """The chunk's frames, their scaled (width, height) and that size padded to whole tokens."""
+        cfg = self.media_proc_cfg
+        image = chunk["type"] == "image"
+        frames = [chunk["image"]] if image else chunk["video_chunk"]
+        limit = cfg["in_patch_limit"] if image else min(cfg["in_patch_limit_each_frame"],
+                                                        round(cfg["in_patch_limit_video"] / len(frames)))
+        patch, side = cfg["patch_size"], cfg["patch_limit_on_one_side"]
+        width, height = frames[0].size
+        scale = min(1.0, math.sqrt(limit / (max(1, width // patch) * max(1, height // patch))),
+                    side * patch / width, side * patch / height)
+        size = (max(1, int(width * scale)), max(1, int(height * scale)))
+        unit = patch * cfg["merge_kernel_size"]
+        return frames, size, tuple(-(-n // unit) * unit for n in size)
+
+    def media_tokens_calculator(self, chunk):
+        """The chunk's tokens in the prompt: one per merged patch of a frame (a video chunk's frames pool)."""
+        width, height = self.layout(chunk)[2]
+        unit = self.media_proc_cfg["patch_size"] * self.media_proc_cfg["merge_kernel_size"]
+        return (width // unit) * (height // unit)
+
+    def preprocess(self, chunks, return_tensors=None, do_rescale=True, do_normalize=True):
+        """For a list of chunks: pixel_values (their patches, 3, patch_size, patch_size) and grid_thws (frames,
+        patch rows, patch columns) a chunk; pixels rescaled to [0, 1], then normalized by image_mean and image_std."""
+        cfg = self.media_proc_cfg
+        patch = cfg["patch_size"]
+        patches, grids = [], []
+        for chunk in chunks:
+            frames, size, (width, height) = self.layout(chunk)
+            for frame in frames:
+                pixels = np.zeros((height, width, 3), np.float32)
+                scaled = frame.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+                pixels[:size[1], :size[0]] = np.asarray(scaled)
+                if do_rescale:
+                    pixels /= 255.0
+                if do_normalize:
+                    pixels = (pixels - np.array(cfg["image_mean"], np.float32)) / np.array(cfg["image_std"], np.float32)
+                rows = pixels.reshape(height // patch, patch, width // patch, patch, 3)
+                patches.append(rows.transpose(0, 2, 4, 1, 3).reshape(-1, 3, patch, patch))
+            grids.append([len(frames), height // patch, width // patch])
+        return BatchFeature({"pixel_values": np.concatenate(patches), "grid_thws": np.array(grids, np.int64)},
+                            tensor_type=return_tensors)
+'''
 
 
 def params_of(args):
@@ -459,14 +568,22 @@ def wrapper_config(p, text_cfg, specials):
 
 
 def preprocessor_config(v):
-    """The image processor's config vLLM's fused Kimi-K2.5 processor reads (media_proc_cfg), with patch
-    limits small enough that the start-up profiling of a dummy image stays cheap on a CPU."""
-    return {"media_proc_cfg": {
+    """The processor's config, laid out like Kimi-K2.5's. auto_map names the remote-code processor and image
+    processor (PROCESSOR_SOURCE, VISION_SOURCE), which transformers loads with trust_remote_code only;
+    processor_class and image_processor_type, names transformers does not know, keep AutoProcessor and
+    AutoImageProcessor from falling back to its own Kimi-K2.5 classes (whose image processor needs
+    torchvision). media_proc_cfg is what both image processors read, vLLM's fused one and the remote one,
+    with patch limits small enough that the start-up profiling of a dummy image stays cheap on a CPU."""
+    media = {
         "patch_size": v["patch_size"], "merge_kernel_size": v["merge_kernel_size"][0], "temporal_merge_kernel_size": 4,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "in_patch_limit": 256,
         "in_patch_limit_each_frame": 256, "in_patch_limit_video": 256, "patch_limit_on_one_side": 32,
         "fixed_output_tokens": None, "sample_fps": 2.0, "max_num_frames_each_video": None,
-        "timestamp_mode": "hh:mm:ss.fff"}}
+        "timestamp_mode": "hh:mm:ss.fff"}
+    return {"auto_map": {"AutoProcessor": PROCESSOR_FILE[:-3] + ".KimiK25Processor",
+                         "AutoImageProcessor": VISION_FILE[:-3] + ".KimiK25VisionProcessor"},
+            "processor_class": "KimiK25Processor", "image_processor_type": "KimiK25VisionProcessor",
+            "media_proc_cfg": media}
 
 
 def count_params(tensors):
@@ -498,6 +615,8 @@ def build(out, p, rng):
         tensors.update(vision_tensors(p["vision"], p["hidden_size"], generator))
         atomic_write(os.path.join(tmp, "preprocessor_config.json"),
                      json.dumps(preprocessor_config(p["vision"]), indent=1))
+        atomic_write(os.path.join(tmp, PROCESSOR_FILE), PROCESSOR_SOURCE)
+        atomic_write(os.path.join(tmp, VISION_FILE), VISION_SOURCE)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     atomic_write(os.path.join(tmp, "config.json"), json.dumps(cfg, indent=1))
     # vLLM stops on the generation config's eos ids besides the tokenizer's: <|im_end|> ends a turn, as in Kimi.

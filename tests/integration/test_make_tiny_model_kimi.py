@@ -1,10 +1,10 @@
 """The Kimi builds of tools/make_tiny_model.py (tools/tiny_kimi.py): the checkpoint's layout against the
-names vLLM loads, the INT4 packing, the remote-code tokenizer.
+names vLLM loads, the INT4 packing, the remote-code tokenizer and (kimi_k25) processor.
 
 Building needs torch, which the repo's .venv lacks: the models are built, and the torch checks run, with
 the vLLM venv's python (.cache/venvs/vllm, made by `make venvs`), so these tests run in make test's
 integration-vllm phase, after the venvs phase. The layout checks read the safetensors headers here, in
-plain Python.
+plain Python. The processor is loaded in the speculators venv, as `speculators prepare-data` loads it.
 """
 import json
 import os
@@ -18,16 +18,18 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS = os.path.join(REPO, "tools")
 VENV_PYTHON = os.path.join(REPO, ".cache", "venvs", "vllm", "bin", "python")
+SPECULATORS_PYTHON = os.path.join(REPO, ".cache", "venvs", "speculators", "bin", "python")
 
 pytestmark = [pytest.mark.venvs,
               pytest.mark.skipif(not os.access(VENV_PYTHON, os.X_OK),
                                  reason="needs the vLLM venv (make venvs): torch, transformers, tiktoken")]
 
 
-def venv_python(code, *args):
-    """Run code with the vLLM venv's python, tools/ importable; returns stdout."""
-    proc = subprocess.run([VENV_PYTHON, "-c", textwrap.dedent(code), *args], cwd=TOOLS, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=False)
+def venv_python(code, *args, python=VENV_PYTHON):
+    """Run code with the vLLM venv's python (or another), tools/ importable; returns stdout."""
+    proc = subprocess.run([python, "-c", textwrap.dedent(code), *args], cwd=TOOLS, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"), stdin=subprocess.DEVNULL,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -225,6 +227,84 @@ def test_tokenizer_loads_only_through_remote_code(models):
     assert out["round_trip"]
     recorded = read_json(path, "tiny_model.json")["special_token_ids"]
     assert out["ids"] == {name: recorded[name] for name in out["ids"]}
+
+
+def test_processor_is_remote_code_named_by_auto_map(models):
+    """As Kimi-K2.5 ships it: preprocessor_config.json names the processor and image processor by auto_map,
+    in files of the build, beside media_proc_cfg (which vLLM reads); the image processor needs no torchvision."""
+    path = models["kimi_k25", "bf16"]
+    config = read_json(path, "preprocessor_config.json")
+    assert set(config["auto_map"]) == {"AutoProcessor", "AutoImageProcessor"}
+    assert (config["processor_class"], config["image_processor_type"]) == ("KimiK25Processor", "KimiK25VisionProcessor")
+    assert config["auto_map"]["AutoProcessor"].endswith(".KimiK25Processor")
+    recorded = read_json(path, "tiny_model.json")["files"]
+    for ref in config["auto_map"].values():
+        module, cls = ref.split(".")
+        assert module + ".py" in recorded
+        with open(os.path.join(path, module + ".py")) as f:
+            source = f.read()
+        assert re.search(r"^class %s\(" % cls, source, re.M), ref
+        assert "torchvision" not in re.findall(r"^\s*(?:import|from) (\w+)", source, re.M), ref
+    assert "media_proc_cfg" in config
+    assert not os.path.exists(os.path.join(models["kimi_k2", "bf16"], "preprocessor_config.json"))
+
+
+@pytest.mark.skipif(not os.access(SPECULATORS_PYTHON, os.X_OK), reason="needs the speculators venv (make venvs)")
+def test_processor_loads_only_through_remote_code(models):
+    """speculators' load_processor (prepare-data) gets the remote KimiK25Processor with the remote tokenizer,
+    with trust_remote_code only: without it, transformers refuses rather than taking its own Kimi-K2.5
+    processor (whose image processor needs torchvision, which the speculators venv lacks)."""
+    out = json.loads(venv_python("""
+        import json, sys
+        from PIL import Image
+        from speculators.data_generation.preprocessing import load_processor
+        try:
+            load_processor(sys.argv[1])
+            without = "loaded"
+        except Exception as e:
+            without = "%s: %s" % (type(e).__name__, e)
+        proc = load_processor(sys.argv[1], trust_remote_code=True)
+        image = Image.new("RGB", (150, 100), (200, 30, 90))
+        message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}
+        text = proc.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+        inputs = proc(text=text, vision_chunks=[{"type": "image", "image": image}], return_tensors="np")
+        print(json.dumps({
+            "without": without, "class": type(proc).__name__, "module": type(proc).__module__,
+            "tokenizer": type(proc.tokenizer).__name__, "image_processor": type(proc.image_processor).__name__,
+            "media": int((inputs["input_ids"] == proc.tokenizer.convert_tokens_to_ids("<|media_pad|>")).sum()),
+            "patches": list(inputs["pixel_values"].shape), "grid": inputs["grid_thws"].tolist(),
+            "torchvision": "torchvision" in sys.modules}))
+    """, models["kimi_k25", "bf16"], python=SPECULATORS_PYTHON).strip().splitlines()[-1])
+    assert out["without"].startswith("ValueError") and "trust_remote_code=True" in out["without"], out["without"]
+    assert (out["class"], out["tokenizer"], out["image_processor"]) == (
+        "KimiK25Processor", "TikTokenTokenizer", "KimiK25VisionProcessor")
+    assert out["module"].startswith("transformers_modules.") and out["module"].endswith(".kimi_k25_processor")
+    # 150 x 100 pixels padded to whole tokens (2 x 2 patches of 14 pixels): 168 x 112, 12 x 8 patches, 6 x 4 tokens
+    assert (out["patches"], out["grid"], out["media"]) == ([96, 3, 14, 14], [[1, 8, 12]], 24)
+    assert not out["torchvision"]
+
+
+def test_remote_image_processor_matches_vllms(models):
+    """The remote image processor cuts an image and a video chunk as vLLM's own (fused) Kimi-K2.5 image
+    processor does from the same media_proc_cfg: the same token counts, grids and pixel values."""
+    print(venv_python("""
+        import sys
+        import numpy as np
+        from PIL import Image
+        from transformers import AutoImageProcessor
+        from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+        remote = AutoImageProcessor.from_pretrained(sys.argv[1], trust_remote_code=True)
+        fused = KimiK25FusedVisionProcessor.from_pretrained(sys.argv[1])
+        assert type(remote).__name__ == "KimiK25VisionProcessor", type(remote)
+        assert remote.num_frames_per_chunk == fused.num_frames_per_chunk == 4
+        frame = Image.fromarray(np.random.default_rng(0).integers(0, 256, (301, 517, 3), dtype=np.uint8))
+        chunks = [{"type": "image", "image": frame}, {"type": "video_chunk", "video_chunk": [frame] * 4}]
+        assert [remote.media_tokens_calculator(c) for c in chunks] == [fused.media_tokens_calculator(c) for c in chunks]
+        a, b = remote.preprocess(chunks, return_tensors="pt"), fused.preprocess(chunks, return_tensors="pt")
+        assert a["grid_thws"].tolist() == b["grid_thws"].tolist(), (a["grid_thws"], b["grid_thws"])
+        assert float((a["pixel_values"] - b["pixel_values"]).abs().max()) < 1e-5
+        print("ok")
+    """, models["kimi_k25", "bf16"]))
 
 
 def test_rebuild_is_a_no_op_when_current(tmp_path):
