@@ -1,6 +1,7 @@
-"""The hidden_state_extract set-up shared by its own tests and by the eagle3_train tests: the vllm_server
-venv, a tiny model, token-exact rows as synthetic_data writes them, a simulated GPU, and the role's
-variables for this host (no systemd: process runners).
+"""The hidden_state_extract set-up shared by its own tests and by the eagle3_train tests (one for both: the
+session fixture `extraction` of conftest.py): the vllm_server venv, a tiny model, token-exact rows as
+synthetic_data writes them, a simulated GPU, and the role's variables for this host (no systemd: process
+runners).
 
 Reuses between runs (gitignored): the wheelhouses under .cache/wheelhouse and the venvs
 .cache/venvs/{vllm,speculators}. `python tests/integration/extract_env.py` builds those alone (make test's
@@ -15,6 +16,9 @@ import subprocess
 
 from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
 
+# 40 complete rows and 8 truncated ones
+SAMPLES = 48
+TRUNCATED = 8
 SPEC_WHEELHOUSE = os.path.join(CACHE, "wheelhouse", "speculators")
 SPEC_VENV = os.path.join(CACHE, "venvs", "speculators")
 GPU_SIM = os.path.join(REPO, "tools", "gpu_sim.py")
@@ -108,6 +112,8 @@ def extraction_setup(name, samples, truncated):
         "hidden_state_extract_data_dir": data,
         "hidden_state_extract_output_dir": os.path.join(work, "hidden_states", "one"),
         "hidden_state_extract_name": "it",
+        # auto: this disk holds the hidden states, so offline (the training tests check the reason recorded)
+        "hidden_state_extract_mode": "auto",
         "hidden_state_extract_port": free_port(),
         "hidden_state_extract_layer_ids": [1, 2, 3],
         "hidden_state_extract_seq_length": 512,

@@ -15,12 +15,10 @@ import urllib.request
 
 import pytest
 
-from extract_env import SPEC_VENV, extraction_setup, inventory, stop_leftovers
-from vllm_localhost import CACHE, free_port, run_playbook
+from extract_env import SAMPLES, SPEC_VENV, inventory, stop_leftovers
+from vllm_localhost import free_port, run_playbook
 
 pytestmark = [pytest.mark.slow, pytest.mark.venvs]
-SAMPLES = 48
-TRUNCATED = 0
 # A step takes seconds on this CPU (7 steps an epoch here), so each run has the fewest epochs its proof needs:
 # the killed runs are killed after a sub-epoch checkpoint past step 8 (in their second epoch) and resume to the
 # end; one epoch ends in a validation, which is all the comparison and the two nodes need.
@@ -30,18 +28,15 @@ COMPARED = {"eagle3_train_epochs": 1}  # offline and online, the same data and s
 # |val loss online - offline| / offline, measured with COMPARED on this machine: 0.0000 (the server writes the same
 # bf16 hidden states the offline files hold, and training is seeded); 1% leaves room for kernel nondeterminism
 VAL_LOSS_TOLERANCE = 0.01
-ROOT = os.path.join(CACHE, "it", "eagle3_train")
 ROLE_PLAY = "- hosts: train\n  gather_facts: false\n  roles:\n    - gpuflow.eagle3.eagle3_train\n"
 
 
 @pytest.fixture(scope="module")
-def env():
-    info = extraction_setup(os.path.basename(ROOT), SAMPLES, TRUNCATED)
-    # auto: this disk holds the hidden states, so the extraction stays offline; nothing here is killed part-way,
-    # so four requests at a time (batched by vLLM) rather than the one that the extraction tests need
-    info["ev"]["hidden_state_extract_mode"] = "auto"
-    info["ev"]["hidden_state_extract_concurrency"] = 4
-    info["extract_output"] = run_playbook(info["playbook"], info["ev"], info["root"], inventory=info["inv"])[1]
+def env(extraction):
+    """The hidden states of the shared set-up: the extraction tests completed them, and the role's rerun here
+    starts nothing (alone, it extracts them, four requests at a time: nothing here is killed part-way)."""
+    info = dict(extraction, ev=dict(extraction["ev"], hidden_state_extract_concurrency=4))
+    run_playbook(info["playbook"], info["ev"], info["root"], inventory=info["inv"])
     with open(os.path.join(info["root"], "train.yml"), "w") as f:
         f.write(ROLE_PLAY)
     info["train_ev"] = {
@@ -60,7 +55,7 @@ def env():
         "eagle3_train_gpu_sim_state_dir": info["sim"],
     }
     yield info
-    for pid in trainers():
+    for pid in trainers(info):
         os.kill(pid, signal.SIGKILL)
     stop_leftovers(info)
 
@@ -107,8 +102,8 @@ def steps(out):
     return [e["global_step"] for e in events(out) if e["kind"] == "train"]
 
 
-def trainers():
-    """PIDs of this module's trainer processes (the role's launcher, an output under .cache/it/eagle3_train).
+def trainers(env):
+    """PIDs of this module's trainer processes (the role's launcher, an output under the set-up's root).
     A dry run's forked helper outlives it by a few seconds, so callers wait for none rather than assert none."""
     found = []
     for d in os.listdir("/proc"):
@@ -117,7 +112,7 @@ def trainers():
                 args = f.read()
         except OSError:
             continue
-        if b"gpuflow_train_launch.py" in args and ROOT.encode() in args:
+        if b"gpuflow_train_launch.py" in args and env["root"].encode() in args:
             found.append(int(d))
     return found
 
@@ -187,14 +182,14 @@ def test_graceful_stop_leaves_a_complete_interrupted_checkpoint(env):
     assert {"model.safetensors", "optimizer_state_dict.pt", "config.json"} <= set(os.listdir(ckpt))
     with open(os.path.join(out, "nodes", "0", "progress.json")) as f:
         assert json.load(f)["state"] == "stopped"
-    wait_for(lambda: not trainers(), 60, "the trainers to end")
+    wait_for(lambda: not trainers(env), 60, "the trainers to end")
 
 
 def test_killed_midway_then_rerun_resumes_and_the_step_count_continues(env):
     out = os.path.join(env["work"], "train", "killed")
     before_kill = kill_after_a_sub_epoch_checkpoint(env, out, KILLED_RUN)
     # the trainers, orphaned, get SIGTERM from the parent-death signal and end
-    wait_for(lambda: not trainers(), 120, "the orphaned trainers to end")
+    wait_for(lambda: not trainers(env), 120, "the orphaned trainers to end")
     with open(os.path.join(out, "checkpoints", "gpuflow-run.json")) as f:
         assert json.load(f)["identity"]
     seen = len(events(out))
@@ -246,7 +241,7 @@ def test_two_hosts_train_together_as_two_torchrun_nodes(env):
     one_node = [e for e in events(os.path.join(env["work"], "train", "killed")) if e["kind"] == "epoch"][0]
     two_nodes = [e for e in events(out) if e["kind"] == "epoch"][0]
     assert two_nodes["steps_per_epoch"] < one_node["steps_per_epoch"]
-    wait_for(lambda: not trainers(), 60, "the trainers to end")
+    wait_for(lambda: not trainers(env), 60, "the trainers to end")
 
 
 def test_two_hosts_without_one_shared_output_directory_are_refused_before_training(env):
@@ -257,13 +252,6 @@ def test_two_hosts_without_one_shared_output_directory_are_refused_before_traini
                               inventory=inventory(hosts, group="train"))[:2]
     assert rc != 0 and "node-b do(es) not see" in " ".join(output.split()), output[-3000:]
     assert not os.path.exists(os.path.join(base + "-a", "nodes")) and not os.path.exists(base + "-b")
-
-
-def test_auto_stays_offline_when_the_disk_is_large_enough(env):
-    m = manifest(env["out"])
-    assert m["mode"] == "offline" and m["mode_reason"].startswith("auto: offline fits"), m["mode_reason"]
-    assert "auto: offline fits" in env["extract_output"]
-    assert len([n for n in os.listdir(os.path.join(env["out"], "hs")) if n.endswith(".safetensors")]) == SAMPLES
 
 
 def test_auto_picks_online_when_the_disk_is_too_small_and_says_so(online):
@@ -304,7 +292,7 @@ def test_online_trainer_killed_midway_resumes_and_leaves_no_hidden_states(env, o
     run = dict(ONLINE_KILLED_RUN, eagle3_train_hidden_states_dir=online["out"])
     before_kill = kill_after_a_sub_epoch_checkpoint(env, out, run)
     # the orphaned trainer gets SIGTERM from the parent-death signal, most likely inside a fetch, and ends
-    wait_for(lambda: not trainers(), 120, "the orphaned trainers to end")
+    wait_for(lambda: not trainers(env), 120, "the orphaned trainers to end")
     assert max(steps(out)) <= before_kill + 2, "the orphaned trainer trained on"
     # a file the server wrote for the killed trainer, fetched and never consumed
     with open(os.path.join(online["staging"], "cmpl-killed-0-0.safetensors"), "wb") as f:

@@ -4,9 +4,10 @@ speculators 0.9.0 (prepare-data, generate-offline-data). 48 samples: 40 complete
 truncated ones, token-exact rows as synthetic_data writes them.
 
 Preflight refusals happen before any server starts; the client killed midway resumes with each
-sample exactly once; a truncated file is detected and regenerated; a rerun after completion
-starts nothing and changes nothing; two ranks (two hosts, two servers) make the same samples as
-one, each exactly once.
+sample exactly once; in auto mode, with the disk large enough, it stays offline and says so; a rerun
+after completion starts nothing and changes nothing; a truncated file is detected and regenerated; two
+ranks (two hosts, two servers) make the same samples as one, each exactly once. The hidden states
+left complete here are the ones test_eagle3_train trains on (the session fixture `extraction`).
 """
 import json
 import os
@@ -16,12 +17,10 @@ import time
 
 import pytest
 
-from extract_env import GPU_SIM, SPEC_VENV, extraction_setup, inventory, stop_leftovers
+from extract_env import GPU_SIM, SAMPLES, SPEC_VENV, inventory, stop_leftovers
 from vllm_localhost import REPO, free_port, run_playbook
 
 pytestmark = [pytest.mark.slow, pytest.mark.venvs]
-SAMPLES = 48
-TRUNCATED = 8
 
 
 def hs_files(out):
@@ -37,10 +36,9 @@ def token_ids(path):
 
 
 @pytest.fixture(scope="module")
-def env():
-    info = extraction_setup("hidden_state_extract", SAMPLES, TRUNCATED)
-    yield info
-    stop_leftovers(info)
+def env(extraction):
+    yield extraction
+    stop_leftovers(extraction)
 
 
 def run(env, inv=None, check=True, **overrides):
@@ -91,7 +89,7 @@ def test_disk_budget_refused_with_the_numbers(env):
     # a reserve the size of the whole filesystem: refused however much the test's neighbours free meanwhile
     # (a reserve of all but 1 MiB passed on CI when a phase beside it deleted its files)
     rc, out = run(env, check=False, hidden_state_extract_reserve_bytes=st.f_blocks * st.f_frsize,
-                  hidden_state_extract_train_epochs=5)[:2]
+                  hidden_state_extract_train_epochs=5, hidden_state_extract_mode="offline")[:2]
     assert rc != 0
     out = " ".join(out.split())
     assert "disk budget: this shard needs" in out and "%d samples" % SAMPLES in out, out[-3000:]
@@ -125,7 +123,7 @@ def test_client_killed_midway_then_rerun_completes_each_sample_once(env):
     assert not os.path.exists(os.path.join(out, "MANIFEST.json"))
     kept = len(hs_files(out))
 
-    log = run(env)[1]
+    log = env["resumed_output"] = run(env)[1]
     assert "samples/s, ETA" in log  # progress lines while polling
     m = json.load(open(os.path.join(out, "MANIFEST.json")))
     assert hs_files(out) == list(range(SAMPLES))  # each sample exactly once
@@ -141,6 +139,12 @@ def test_client_killed_midway_then_rerun_completes_each_sample_once(env):
     assert os.listdir(os.path.join(out, "staging")) == []
     print("kept %d files from the killed run" % kept)
     assert server_processes() == []  # the server was stopped before the GPUs were handed on
+
+
+def test_auto_stays_offline_when_the_disk_is_large_enough(env):
+    m = json.load(open(os.path.join(env["out"], "MANIFEST.json")))
+    assert m["mode"] == "offline" and m["mode_reason"].startswith("auto: offline fits"), m["mode_reason"]
+    assert "auto: offline fits" in env["resumed_output"]
 
 
 def test_rerun_after_completion_starts_nothing(env):
