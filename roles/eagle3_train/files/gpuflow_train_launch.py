@@ -14,7 +14,7 @@ torchrun starts this file instead of `-m speculators.train`:
 3. CPU adapter, applied only where torch sees no accelerator: speculators 0.9.0 places the
    model and batches on accelerator `local_rank`, autocasts for "cuda", synchronizes the
    accelerator and sets up distributed training with the accelerator's backend. Here the
-   model and batches go to the CPU, autocast is CPU bf16, synchronize is a no-op and
+   model and batches go to the CPU, autocast is the CPU's, synchronize is a no-op and
    distributed training uses gloo, so several processes (or hosts) can train together.
 4. Online hidden states: a SIGTERM that lands during a hidden-state fetch stops the training
    (speculators' retries would otherwise swallow it; see keep_interrupts_through_online_fetches).
