@@ -1,13 +1,14 @@
 """`make pipeline` as an ordinary user would run it: an account created for this test (removed after, even on
 failure), a copy of the checkout's tracked files in its home, a login environment (none of root's pip
 settings), PyPI. Without the CPU torch `make pipeline` stops at the wheelhouse with tools/wheelhouse.sh's
-message and exit code, within seconds, and leaves no wheelhouse; given a folder with that wheel through
-PIP_FIND_LINKS, the account builds both wheelhouses and passes the pipeline's preflight (`make wheelhouses
-preflight`: everything `make pipeline` does before its first stage). Nothing it writes lies outside its home,
+message and exit code, before building anything (within 2 minutes), and leaves no wheelhouse; given a folder
+with that wheel through PIP_FIND_LINKS, the account builds both wheelhouses and passes the pipeline's preflight
+(`make wheelhouses preflight`: everything `make pipeline` does before its first stage). Nothing it writes lies outside its home,
 and in its home nothing outside the XDG directories, Ansible's ~/.ansible and the checkout copy.
 
-Needs root (useradd); skipped otherwise (make test runs as root). About 2 minutes, most of it downloads from
-PyPI into the account's own pip cache: the bootstrap's venv and the two wheelhouses.
+Needs root (useradd); skipped otherwise (make test runs as root). 14 to 17 minutes in make test on a 2-core
+machine, most of it pip resolving and downloading into the account's own cache: the bootstrap's venv and the
+two wheelhouses.
 """
 import os
 import pwd
@@ -114,16 +115,17 @@ def test_ordinary_account_make_pipeline(account):
     rc, out, _seconds = as_account(account, ["make", "bootstrap"])
     assert rc == 0, out[-3000:]
 
-    # without the CPU torch: the message and the exit code within seconds, before anything is built
+    # without the CPU torch: the message and the exit code before anything is built (pip's index lookups take
+    # 10 to 40 s on a loaded 2-core machine; a wheelhouse build takes minutes, and leaves files, checked below)
     rc, out, seconds = as_account(account, ["make", "pipeline"])
     assert rc != 0 and "Error %d" % NO_CPU_TORCH in out, out[-3000:]
-    assert seconds < 30, "make pipeline took %.1f s to say that the CPU torch is missing" % seconds
+    assert seconds < 120, "make pipeline took %.1f s to say that the CPU torch is missing" % seconds
     req = re.search(r"^wheelhouse\.sh: (torch==\S+\+cpu) does not resolve", out, re.M)
     assert req, out[-3000:]
     assert "PIP_FIND_LINKS=" in out and "PIP_EXTRA_INDEX_URL=" in out, out[-3000:]
     # the wheelhouse script alone: its own exit code, and nothing written that a next run could take as built
     rc, out, seconds = as_account(account, ["tools/wheelhouse.sh", "speculators"])
-    assert rc == NO_CPU_TORCH and seconds < 30, out[-3000:]
+    assert rc == NO_CPU_TORCH and seconds < 120, out[-3000:]
     assert not os.path.exists(os.path.join(account["checkout"], ".cache", "wheelhouse"))
     assert not os.path.exists(os.path.join(account["pw"].pw_dir, ".local", "share", "gpuflow"))
     assert written_outside(account) == []

@@ -29,7 +29,7 @@ from extract_env import SPEC_VENV, ensure_wheelhouses
 from report_screenshot import figure_blue_share, non_white_share, screenshot
 from vllm_localhost import CACHE, PLAYBOOK_BIN, REPO, VENV, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.venvs]
+pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.generate]
 
 ROOT = os.path.join(CACHE, "it", "pipeline")
 WORK = os.path.join(ROOT, "share", "gpuflow")

@@ -18,7 +18,7 @@ import pytest
 
 from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
 
-pytestmark = [pytest.mark.slow, pytest.mark.venvs]
+pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.generate]
 PLAYBOOK = os.path.join(REPO, "playbooks", "serve_and_generate.yml")
 KEY = "it-secret"
 

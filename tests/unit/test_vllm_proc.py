@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 
+import psutil
 import pytest
 from ansible.plugins.filter.core import to_json
 
@@ -431,13 +432,20 @@ class Models(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def key_holders(skip):
-    """Processes whose command line, or whose environment (other than skip's), holds the key."""
+def key_holders(tree_root):
+    """Processes whose command line holds the key, and those of tree_root's tree (it and its descendants) whose
+    environment does. The environment scan stays within the tree: the mutation check runs this module's servers
+    at the same time, and a server's environment holds the key by design."""
     found = []
+    try:
+        root = psutil.Process(tree_root)
+        tree = {root.pid} | {c.pid for c in root.children(recursive=True)}
+    except psutil.NoSuchProcess:
+        tree = set()
     for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) in skip:
+        if not d.isdigit():
             continue
-        for what in ("cmdline", "environ"):
+        for what in ("cmdline", "environ") if int(d) in tree else ("cmdline",):
             try:
                 with open("/proc/%s/%s" % (d, what), "rb") as f:
                     if SECRET_KEY.encode() in f.read():
@@ -460,7 +468,7 @@ def test_wait_reads_the_key_from_the_env_file_and_it_is_in_no_command_line(tmp_p
                               "--poll", "0.2", "--timeout", "30"], stdout=subprocess.PIPE, text=True, env=env)
         seen = set()
         while p.poll() is None:
-            seen |= set(key_holders(skip={os.getpid()}))
+            seen |= set(key_holders(p.pid))
             time.sleep(0.05)
         res = json.loads(p.stdout.read())
     finally:
