@@ -52,6 +52,10 @@ def env():
         "vllm_server_wheelhouse": WHEELHOUSE,
         "vllm_server_venv": VENV,
         "vllm_server_remove_packages": ["torchvision", "torchaudio", "torchcodec"],
+        # an account of its own: the extraction tests run beside these (make test's integration-vllm phase) with
+        # their server as `vllm` and another home, which `usermod` refuses to change while that server runs
+        "vllm_server_user": "gpuflow-it-data",
+        "vllm_server_group": "gpuflow-it-data",
         "vllm_server_home": os.path.join(root, "home"),
         "vllm_server_config_dir": os.path.join(root, "etc"),
         "vllm_server_port": port,
