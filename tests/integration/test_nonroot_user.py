@@ -3,8 +3,8 @@ failure), a copy of the checkout's tracked files in its home, a login environmen
 settings), PyPI. Without the CPU torch `make pipeline` stops at the wheelhouse with tools/wheelhouse.sh's
 message and exit code, before building anything (within 2 minutes), and leaves no wheelhouse; given a folder
 with that wheel through PIP_FIND_LINKS, the account builds both wheelhouses and passes the pipeline's preflight
-(`make wheelhouses preflight`: everything `make pipeline` does before its first stage). Nothing it writes lies outside its home,
-and in its home nothing outside the XDG directories, Ansible's ~/.ansible and the checkout copy.
+(`make wheelhouses preflight`: everything `make pipeline` does before its first stage). Nothing it writes lies
+outside its home, and in its home nothing outside the XDG directories, Ansible's ~/.ansible and the checkout copy.
 
 Needs root (useradd); skipped otherwise (make test runs as root). 14 to 17 minutes in make test on a 2-core
 machine, most of it pip resolving and downloading into the account's own cache: the bootstrap's venv and the
