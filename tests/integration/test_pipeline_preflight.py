@@ -64,7 +64,7 @@ def tree(root):
     return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files)
 
 
-def run_preflight(inventories, extra_vars, tmp_path, check_mode=False, allow_changes=False):
+def run_preflight(inventories, extra_vars, tmp_path, check_mode=False, allow_changes=False, skip_tags=None):
     """Run the preflight; return (rc, output). Asserts that no host reported a change (allow_changes: online
     mode across hosts writes and removes its probe)."""
     ev = tmp_path / "extra_vars.json"
@@ -74,6 +74,8 @@ def run_preflight(inventories, extra_vars, tmp_path, check_mode=False, allow_cha
         argv += ["-i", inv]
     if check_mode:
         argv.append("--check")
+    if skip_tags:
+        argv += ["--skip-tags", skip_tags]
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_FORCE_COLOR="0")
     p = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -357,6 +359,44 @@ def test_local_default_passes_as_is(tmp_path):
     rc, out = run_preflight([os.path.join(REPO, "inventories", "local", "hosts.yml")], {}, tmp_path)
     assert rc == 0, out[-4000:]
     assert "model: made by the pipeline (gpuflow_tiny_model), not checked" in out
+
+
+def cpu_has_amx():
+    with open("/proc/cpuinfo") as f:
+        return "amx_tile" in f.read().split()
+
+
+MLA_REFUSAL = "serves beside a drafter only on a CPU with AMX tiles (amx_tile), and this one has none"
+
+
+@pytest.mark.parametrize("arch", ["kimi_k2", "kimi_k25"])
+def test_tiny_kimi_evaluation_on_vllm_cpu_is_refused_up_front_where_the_cpu_has_no_amx(tmp_path, arch):
+    """issue 24: the evaluation would serve an MLA target beside its drafter on vllm-cpu, which needs AMX tiles;
+    the pipeline's preflight says so before any stage runs and names the way to run the other stages."""
+    local = [os.path.join(REPO, "inventories", "local", "hosts.yml")]
+    rc, out = run_preflight(local, {"gpuflow_tiny_arch": arch}, tmp_path)
+    out = unwrapped(out)
+    if cpu_has_amx():
+        assert rc == 0, out[-4000:]
+    else:
+        assert rc != 0 and "the evaluation serves the target (the tiny %s model) beside its drafter" % arch in out
+        assert MLA_REFUSAL in out, out[-4000:]
+        assert "ANSIBLE_SKIP_TAGS=evaluate make pipeline MODEL=%s" % arch in out, out[-4000:]
+    # without the evaluation, every other stage passes its checks here
+    rc, out = run_preflight(local, {"gpuflow_tiny_arch": arch}, tmp_path, skip_tags="evaluate")
+    assert rc == 0 and MLA_REFUSAL not in unwrapped(out), out[-4000:]
+
+
+def test_mla_target_from_its_config_on_vllm_cpu_is_refused_where_the_cpu_has_no_amx(seed):
+    """The same rule for a model of the inventory's: Kimi-K2.5's config (kv_lora_rank under text_config), vllm-cpu."""
+    run, _ = seed
+    rc, out = run({"vllm_server_package": "vllm-cpu"})
+    if cpu_has_amx():
+        assert rc == 0, out[-4000:]
+    else:
+        assert rc != 0 and MLA_REFUSAL in out and "To run every other stage on this host" in out, out[-4000:]
+    rc, out = run({})  # the seed's CUDA vLLM serves MLA beside a drafter anywhere
+    assert rc == 0 and MLA_REFUSAL not in out, out[-4000:]
 
 
 # the example inventories ---------------------------------------------------------------------------
