@@ -389,7 +389,7 @@ def test_tiny_kimi_evaluation_on_vllm_cpu_is_refused_up_front_where_the_cpu_has_
 
 def test_mla_target_from_its_config_on_vllm_cpu_is_refused_where_the_cpu_has_no_amx(seed):
     """The same rule for a model of the inventory's: Kimi-K2.5's config (kv_lora_rank under text_config), vllm-cpu."""
-    run, _ = seed
+    run = seed[0]
     rc, out = run({"vllm_server_package": "vllm-cpu"})
     if cpu_has_amx():
         assert rc == 0, out[-4000:]
