@@ -16,18 +16,17 @@ use are reused, read-only.
 import glob
 import json
 import os
-import pwd
 import re
-import shutil
 import signal
 import subprocess
 import time
 
 import pytest
 
-from extract_env import SPEC_VENV, ensure_wheelhouses
+import local_pipeline
+from extract_env import ensure_wheelhouses
 from report_screenshot import figure_blue_share, non_white_share, screenshot
-from vllm_localhost import CACHE, PLAYBOOK_BIN, REPO, VENV, free_port
+from vllm_localhost import CACHE, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.generate]
 
@@ -38,65 +37,16 @@ STAGES = ["generate", "handoff_inference", "extract", "train", "evaluate"]
 SECTIONS = ["timeline", "handoffs", "data", "disk", "training", "evaluation", "resumptions"]
 
 
-RUN_AS = "gpuflow-it"
 EPOCHS = 2
 
 
-def run_as():
-    """(uid, gid) of the unprivileged account the pipeline runs as, or None when not root."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        pw = pwd.getpwnam(RUN_AS)
-    except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin",
-                        RUN_AS], check=True)
-        pw = pwd.getpwnam(RUN_AS)
-    return pw.pw_uid, pw.pw_gid
-
-
-def controller_venv():
-    """ansible-playbook the unprivileged account can run: the checkout's .venv may be built on a Python
-    under root's home, so a venv on the system Python with the controller requirements (reused)."""
-    venv = os.path.join(CACHE, "venvs", "controller-system")
-    req = os.path.join(REPO, "requirements", "controller.txt")
-    stamp = os.path.join(venv, ".requirements")
-    with open(req) as f:
-        wanted = f.read()
-    if not os.path.exists(stamp) or open(stamp).read() != wanted:
-        subprocess.run(["/usr/bin/python3", "-m", "venv", "--clear", venv], check=True)
-        subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "--disable-pip-version-check", "-r", req],
-                       check=True)
-        with open(stamp, "w") as f:
-            f.write(wanted)
-    return os.path.join(venv, "bin", "ansible-playbook")
-
-
 def pipeline(log_name, background=False, **overrides):
-    extra = {"gpuflow_cache_dir": CACHE, "vllm_server_venv": VENV,
-             "hidden_state_extract_venv": SPEC_VENV, "eagle3_train_venv": SPEC_VENV,
-             # the generation server keeps the inventory's port: an extra var would win over the port
-             # the extract and eval roles give their own servers
-             "hidden_state_extract_port": PORTS[0], "drafter_eval_port": PORTS[1],
+    extra = {**local_pipeline.reused_setup(PORTS),
              # the server stopped by hand ends the data client's run after 10 s of refused connections
              "synthetic_data_server_gone_after": 10,
              # a third of the local default's epochs: the drafter only has to be made, loaded and drafting
              "eagle3_train_epochs": EPOCHS, **overrides}
-    ev = os.path.join(ROOT, "extra_vars.json")
-    with open(ev, "w") as f:
-        json.dump(extra, f)
-    env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               XDG_DATA_HOME=os.path.join(ROOT, "share"), HOME=os.path.join(ROOT, "home"),
-               ANSIBLE_REMOTE_TMP=os.path.join(ROOT, "home", ".ansible", "tmp"),
-               ANSIBLE_LOCAL_TEMP=os.path.join(ROOT, "home", ".ansible", "local"))
-    ids = run_as()
-    drop = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids else {}
-
-    argv = [controller_venv() if ids else PLAYBOOK_BIN, "-i", os.path.join(REPO, "inventories", "local"),
-            os.path.join(REPO, "playbooks", "pipeline.yml"), "-e", "@" + ev]
-    with open(os.path.join(ROOT, log_name), "w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, **drop)
+    proc = local_pipeline.start(ROOT, log_name, extra)
     if background:
         return proc
     start = time.monotonic()
@@ -106,10 +56,7 @@ def pipeline(log_name, background=False, **overrides):
 
 
 def finished(proc, log_name):
-    """Waits for a pipeline started in the background: (exit status, its log)."""
-    rc = proc.wait(timeout=2400)
-    with open(os.path.join(ROOT, log_name)) as f:
-        return rc, f.read()
+    return local_pipeline.finished(ROOT, proc, log_name)
 
 
 def wait_for(proc, what, ready, timeout=900):
@@ -153,12 +100,7 @@ SERVER_PIDFILE = os.path.join(WORK, "etc", "run", "tiny.pid")
 def first_run():
     """The first pipeline, interrupted twice and finished by its third run: the logs and exit statuses."""
     ensure_wheelhouses()
-    shutil.rmtree(ROOT, ignore_errors=True)
-    os.makedirs(os.path.join(ROOT, "home"))
-    ids = run_as()
-    if ids:
-        for d in (ROOT, os.path.join(ROOT, "home")):
-            os.chown(d, *ids)
+    local_pipeline.fresh_root(ROOT)
     runs = {}
     start = time.monotonic()
 
@@ -235,7 +177,7 @@ def test_first_run_trains_evaluates_and_reports(first_run):
     drafter = os.path.join(WORK, "train", "default", "drafter")
     assert os.path.getsize(os.path.join(drafter, "model.safetensors")) > 0
     # made by the ordinary user, servers included (their logs are theirs)
-    owner = (run_as() or (os.geteuid(), None))[0]
+    owner = (local_pipeline.run_as() or (os.geteuid(), None))[0]
     assert os.stat(os.path.join(drafter, "model.safetensors")).st_uid == owner
     assert {os.stat(p).st_uid for p in launch_logs()} == {owner}
     with open(os.path.join(WORK, "eval", "default", "MANIFEST.json")) as f:
