@@ -176,6 +176,8 @@ def main():
                     help="assert the final slot is pre-norm, the reloaded checkpoint reproduces the files, "
                          "speculators' trainer dataset loads them")
     ap.add_argument("--force", action="store_true", help="rebuild over a complete output")
+    ap.add_argument("--no-hidden-states", action="store_true",
+                    help="stop after the verifier and the rows (bench/extract_h200.py extracts through the role)")
     a = ap.parse_args()
     aux = a.layer_ids
     if aux != sorted(set(aux)) or aux[0] < 1 or aux[-1] >= a.layers:
@@ -219,6 +221,10 @@ def main():
     rows = data_dir / "rows.jsonl"
     write_rows(a, rows, min(tok_len, a.vocab) - 1)
     step("rows")
+    if a.no_hidden_states:
+        print(json.dumps({"rows": a.rows, "seconds": seconds, "device": str(dev),
+                          "paths": {"verifier": str(verifier), "rows": str(rows)}}))
+        return 0
     data_files = [str(rows), str(data_dir / "truncated.jsonl")]
     prep = run_json(HS_EXTRACT, "prepare", "--model", verifier, "--output", prepared, "--seq-length", a.seq_length,
                     "--seed", 0, "--max-samples", 0, "--log", hs_root / "prepare.log",
