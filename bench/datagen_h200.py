@@ -28,10 +28,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 
-from rolebench import REPO, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir
-from vllm_drain_h200 import commit, free_port, machine  # noqa: E402  (on the path rolebench gave)
+from rolebench import REPO, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir, write_result
+from vllm_drain_h200 import free_port  # noqa: E402  (on the path rolebench gave)
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 from make_tiny_model import make_prompts  # noqa: E402
@@ -117,9 +116,7 @@ def main():
     finally:
         playbook(work, "stop", dict(server, vllm_server_state="stopped"))
 
-    result = {
-        "name": "datagen_h200" if a.device == "cuda" else "datagen_cpu_rehearsal",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "commit": commit(),
+    write_result(a.device, work, "datagen", {
         "params": {"device": a.device, "rounds": a.rounds, "prompts": a.prompts, "output_len": a.output_len,
                    "concurrency": a.concurrency, "random_input_len": input_len},
         "warmup": warm,
@@ -127,13 +124,7 @@ def main():
         "summary": dict({"ratio_vs_vllm_bench": min(v["ratio"] for v in per_concurrency.values())},
                         **{"c%s" % c: {k: v for k, v in d.items() if k != "rounds"}
                            for c, d in per_concurrency.items()}),
-    }
-    path = os.path.join(REPO, "bench", "results", "datagen_h200.json") if a.device == "cuda" \
-        else os.path.join(work, "datagen_cpu_rehearsal.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    print(json.dumps(result["summary"], indent=1))
+    })
     return 0
 
 

@@ -45,8 +45,8 @@ import sys
 import time
 import urllib.request
 
-from rolebench import MODELS, REPO, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir
-from vllm_drain_h200 import commit, free_port, machine  # noqa: E402  (on the path rolebench gave)
+from rolebench import MODELS, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir, write_result
+from vllm_drain_h200 import free_port  # noqa: E402  (on the path rolebench gave)
 
 NAME = "bench"
 SERVED = NAME + "-model"
@@ -191,9 +191,7 @@ def main():
         return statistics.median(x[key] for x in rounds[name])
 
     role, connector, plain_tps = med("role"), med("connector"), med("plain")
-    result = {
-        "name": "extract_h200" if a.device == "cuda" else "extract_cpu_rehearsal",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "commit": commit(),
+    write_result(a.device, work, "extract", {
         "params": {"device": a.device, "rounds": a.rounds, "samples": a.samples, "length": a.length,
                    "concurrency": a.concurrency, "model": shape["args"], "layer_ids": warm["layer_ids"],
                    "warmup_s": startup},
@@ -204,13 +202,7 @@ def main():
                     "gb_per_s": round(statistics.median(x["bytes"] / x["seconds"] for x in rounds["role"]) / 1e9, 3),
                     "role_command_tokens_per_s": round(statistics.median(
                         x["tokens"] / x["command_s"] for x in rounds["role"]), 1)},
-    }
-    path = os.path.join(REPO, "bench", "results", "extract_h200.json") if a.device == "cuda" \
-        else os.path.join(work, "extract_cpu_rehearsal.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    print(json.dumps(result["summary"], indent=1))
+    })
     return 0
 
 

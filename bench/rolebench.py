@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu", "train"))
 
 from datagen_client import SHIM  # noqa: E402
-from gpulib import ansible_bin, ensure_collection_link  # noqa: E402
+from vllm_drain_h200 import commit, machine  # noqa: E402
+from vllm_server_h200 import playbook as server_playbook  # noqa: E402
 
 # the model of each device: tests/gpu/train/make_inputs.py's options, its width, depth and size on disk
 MODELS = {
@@ -74,23 +75,24 @@ def server_settings(device, work, venv, max_model_len):
 
 def playbook(work, name, ev, timeout=3000):
     """Runs PLAY with these extra vars, its output in work/<name>.log; its wall seconds. Exits on failure."""
-    with open(os.path.join(work, "play.yml"), "w") as f:
-        f.write(PLAY)
-    with open(os.path.join(work, name + ".json"), "w") as f:
-        json.dump(ev, f)
-    env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_COLLECTIONS_PATH=ensure_collection_link())
-    argv = ansible_bin("ansible-playbook") + ["-i", "localhost,", "-c", "local", os.path.join(work, "play.yml"),
-                                              "-e", "@" + os.path.join(work, name + ".json"),
-                                              "-e", "ansible_python_interpreter=" + sys.executable]
-    t0 = time.monotonic()
-    p = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=timeout, check=False)
-    with open(os.path.join(work, name + ".log"), "w") as f:
-        f.write(p.stdout)
-    if p.returncode != 0:
-        sys.exit("%s failed (rc %d):\n%s" % (name, p.returncode, p.stdout[-5000:]))
-    return round(time.monotonic() - t0, 2)
+    rc, wall, recap = server_playbook(work, ev, name, play=PLAY, timeout=timeout)
+    if rc != 0:
+        sys.exit("%s failed (rc %d): %s (%s)" % (name, rc, recap, os.path.join(work, name + ".log")))
+    return wall
+
+
+def write_result(device, work, name, body):
+    """bench/results/<name>_h200.json (in the CPU rehearsal, <name>_cpu_rehearsal.json in work), with the
+    name, date, machine and commit before body; prints the summary."""
+    name += "_h200" if device == "cuda" else "_cpu_rehearsal"
+    result = dict({"name": name, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+                   "commit": commit()}, **body)
+    path = os.path.join(REPO, "bench", "results", name + ".json") if device == "cuda" \
+        else os.path.join(work, name + ".json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(json.dumps(result["summary"], indent=1))
 
 
 def vllm_cli(device, venv, work):

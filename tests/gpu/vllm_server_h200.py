@@ -76,11 +76,12 @@ def server_vars(name, model, venv, work, tp, tag, port, **extra):
     return ev, os.path.join(work, "etc", "run", name + ".pid")  # vllm_server_run_dir: config_dir/run
 
 
-def playbook(work, ev, name):
-    """(rc, wall seconds, log tail) of one run of PLAY with extra vars ev."""
+def playbook(work, ev, name, play=PLAY, timeout=900):
+    """(rc, wall seconds, log tail) of one run of a play (PLAY unless given) with extra vars ev; its output in
+    work/<name>.log."""
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "play.yml"), "w") as f:
-        f.write(PLAY)
+        f.write(play)
     with open(os.path.join(work, name + ".json"), "w") as f:
         json.dump(ev, f)
     env = dict(os.environ, ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1",
@@ -89,7 +90,7 @@ def playbook(work, ev, name):
                                               "-e", "@" + os.path.join(work, name + ".json"),
                                               "-e", "ansible_python_interpreter=" + sys.executable]
     t0 = time.monotonic()
-    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     wall = round(time.monotonic() - t0, 2)
     with open(os.path.join(work, name + ".log"), "w") as f:
         f.write(p.stdout + p.stderr)
