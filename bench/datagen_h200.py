@@ -21,7 +21,6 @@ On the GPU machine (tests/gpu/README.md):
 Rehearsal on the CPU (a tiny shape, results to the work directory):
   .venv/bin/python bench/datagen_h200.py --device cpu --rounds 1
 """
-import argparse
 import json
 import os
 import shutil
@@ -29,7 +28,8 @@ import statistics
 import subprocess
 import sys
 
-from rolebench import REPO, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir, write_result
+from rolebench import (REPO, arg_parser, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir,
+                       write_result)
 from vllm_drain_h200 import free_port  # noqa: E402  (on the path rolebench gave)
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -41,10 +41,7 @@ DEFAULTS = {"cuda": {"prompts": 1024, "output_len": 1024, "concurrency": [64, 25
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--work", help="default /tmp/roles-h200 (cuda), .cache/bench/roles_h200 (cpu)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = arg_parser(__doc__)
     ap.add_argument("--prompts", type=int, help="requests per round (default 1024 on cuda, 32 on the CPU)")
     ap.add_argument("--output-len", type=int, help="tokens per answer (default 1024 on cuda, 64 on the CPU)")
     ap.add_argument("--concurrency", type=int, nargs="+", help="default 64 256 on cuda, 4 16 on the CPU")

