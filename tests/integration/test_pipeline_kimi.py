@@ -18,7 +18,7 @@ import pytest
 
 import local_pipeline
 from extract_env import ensure_wheelhouses
-from vllm_localhost import CACHE, free_port
+from vllm_localhost import CACHE, cpu_has_amx, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.generate]
 
@@ -30,11 +30,6 @@ DATA = os.path.join(WORK, "synthetic_data", "kimi_k2")
 HIDDEN = os.path.join(WORK, "hidden_states", "kimi_k2")
 TRAIN = os.path.join(WORK, "train", "kimi_k2")
 PROMPTS = 16
-
-
-def cpu_has_amx():
-    with open("/proc/cpuinfo") as f:
-        return "amx_tile" in f.read().split()
 
 
 def safetensors_header(path):

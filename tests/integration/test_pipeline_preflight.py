@@ -11,6 +11,8 @@ import subprocess
 import pytest
 import yaml
 
+from vllm_localhost import cpu_has_amx
+
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -359,11 +361,6 @@ def test_local_default_passes_as_is(tmp_path):
     rc, out = run_preflight([os.path.join(REPO, "inventories", "local", "hosts.yml")], {}, tmp_path)
     assert rc == 0, out[-4000:]
     assert "model: made by the pipeline (gpuflow_tiny_model), not checked" in out
-
-
-def cpu_has_amx():
-    with open("/proc/cpuinfo") as f:
-        return "amx_tile" in f.read().split()
 
 
 MLA_REFUSAL = "serves beside a drafter only on a CPU with AMX tiles (amx_tile), and this one has none"

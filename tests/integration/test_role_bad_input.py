@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from vllm_localhost import PLAYBOOK_BIN, REPO, free_port, role_playbook, run_playbook
+from vllm_localhost import PLAYBOOK_BIN, REPO, cpu_has_amx, free_port, role_playbook, run_playbook
 
 pytestmark = pytest.mark.slow
 
@@ -542,11 +542,6 @@ def test_layer_ids_refused_before_install_and_prepare(tmp_path):
         "layer ids [9] are out of range for a model with num_hidden_layers=4" in log, log[-3000:]
     assert not out.exists(), "created before the refusal: %s" % tree(str(out))
     assert recap.get("changed") == 0, recap
-
-
-def cpu_has_amx():
-    with open("/proc/cpuinfo") as f:
-        return "amx_tile" in f.read().split()
 
 
 @pytest.mark.parametrize("profile", ["speculative", "generate"])

