@@ -25,11 +25,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 
-from rolebench import (REPO, arg_parser, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir,
-                       write_result)
+from rolebench import (REPO, arg_parser, model_inputs, playbook, server_settings, venvs, vllm_bench_serve,
+                       vllm_cli, work_dir, write_result)
 from vllm_drain_h200 import free_port  # noqa: E402  (on the path rolebench gave)
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -80,16 +79,10 @@ def main():
 
     def bench_round(concurrency, input_len, r):
         """Round r (0: the warm-up) of vllm bench serve; its seed is r."""
-        name = "vllm-bench-c%d-%d.json" % (concurrency, r)
-        subprocess.run(cli + ["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-                              "--base-url", "http://127.0.0.1:%d" % port, "--model", SERVED, "--tokenizer", model,
-                              "--dataset-name", "random", "--random-input-len", str(input_len),
-                              "--random-output-len", str(a.output_len), "--ignore-eos",
-                              "--num-prompts", str(a.prompts), "--max-concurrency", str(concurrency),
-                              "--seed", str(r), "--save-result", "--result-dir", work, "--result-filename", name],
-                       check=True, stdout=subprocess.DEVNULL)
-        with open(os.path.join(work, name)) as f:
-            b = json.load(f)
+        b = vllm_bench_serve(cli, work, "vllm-bench-c%d-%d.json" % (concurrency, r), port, SERVED, model, [
+            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--random-input-len", str(input_len),
+            "--random-output-len", str(a.output_len), "--num-prompts", str(a.prompts),
+            "--max-concurrency", str(concurrency), "--seed", str(r)])
         return {"output_tokens_per_s": round(b["output_throughput"], 1), "seconds": round(b["duration"], 2),
                 "completion_tokens": b["total_output_tokens"]}
 

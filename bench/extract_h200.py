@@ -39,34 +39,25 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 
-from rolebench import (MODELS, arg_parser, model_inputs, playbook, server_settings, venvs, vllm_cli, work_dir,
-                       write_result)
-from vllm_drain_h200 import free_port  # noqa: E402  (on the path rolebench gave)
+from rolebench import (MODELS, arg_parser, model_inputs, playbook, server_settings, venvs, vllm_bench_serve,
+                       vllm_cli, work_dir, write_result)
+from vllm_drain_h200 import free_port, get_json  # noqa: E402  (on the path rolebench gave)
 
 NAME = "bench"
 SERVED = NAME + "-model"
 ROWS = {"cuda": {"samples": 500, "length": 2048}, "cpu": {"samples": 64, "length": 256}}
 
 
-def post_json(url, body, timeout=1200):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
-
-
 def connector_round(port, prompts, concurrency):
     """The extraction server's own rate: each file waited for through its lock, then removed."""
     url = "http://127.0.0.1:%d/v1/completions" % port
-    with urllib.request.urlopen("http://127.0.0.1:%d/v1/models" % port, timeout=30) as r:
-        model = json.load(r)["data"][0]["id"]  # the name the role serves the model under
+    model = get_json("http://127.0.0.1:%d/v1/models" % port)["data"][0]["id"]  # the role's served name
 
     def one(ids):
-        out = post_json(url, {"model": model, "prompt": ids, "max_tokens": 1})
+        out = get_json(url, {"model": model, "prompt": ids, "max_tokens": 1}, timeout=1200)
         path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise RuntimeError("no hidden_states_path in the response: %s" % str(out)[:300])
@@ -167,25 +158,17 @@ def main():
     cli = vllm_cli(a.device, vllm_venv, work)
     try:
         for r in range(a.rounds):
-            result = os.path.join(work, "plain-%d.json" % r)
-            subprocess.run(cli + ["bench", "serve", "--backend", "vllm",
-                                  "--base-url", "http://127.0.0.1:%d" % plain_port, "--model", SERVED,
-                                  "--tokenizer", model, "--dataset-name", "random",
-                                  "--random-input-len", str(a.length), "--random-output-len", "1", "--ignore-eos",
-                                  "--num-prompts", str(a.samples), "--max-concurrency", str(a.concurrency),
-                                  "--seed", str(r), "--save-result", "--result-dir", work,
-                                  "--result-filename", os.path.basename(result)],
-                           check=True, stdout=subprocess.DEVNULL)
-            with open(result) as f:
-                bench = json.load(f)
+            bench = vllm_bench_serve(cli, work, "plain-%d.json" % r, plain_port, SERVED, model, [
+                "--backend", "vllm", "--random-input-len", str(a.length), "--random-output-len", "1",
+                "--num-prompts", str(a.samples), "--max-concurrency", str(a.concurrency), "--seed", str(r)])
             rounds["plain"].append({"tokens_per_s": round(bench["total_input_tokens"] / bench["duration"], 1),
                                     "seconds": round(bench["duration"], 2), "tokens": bench["total_input_tokens"]})
             print("plain", rounds["plain"][-1], flush=True)
     finally:
         playbook(work, "stop-plain", dict(plain, vllm_server_state="stopped"))
 
-    def med(name, key="tokens_per_s"):
-        return statistics.median(x[key] for x in rounds[name])
+    def med(name):
+        return statistics.median(x["tokens_per_s"] for x in rounds[name])
 
     role, connector, plain_tps = med("role"), med("connector"), med("plain")
     write_result(a.device, work, "extract", {

@@ -14,14 +14,14 @@ sys.path.insert(0, os.path.join(REPO, "tests", "gpu", "train"))
 
 from datagen_client import SHIM  # noqa: E402
 from vllm_drain_h200 import commit, machine  # noqa: E402
-from vllm_server_h200 import playbook as server_playbook  # noqa: E402
+from vllm_server_h200 import playbook as server_playbook, venv_with_vllm  # noqa: E402
 
-# the model of each device: tests/gpu/train/make_inputs.py's options, its width, depth and size on disk
+# the model of each device: tests/gpu/train/make_inputs.py's options, its width and size on disk
 MODELS = {
     "cuda": {"args": ["--hidden", "4096", "--intermediate", "14336", "--layers", "32", "--heads", "32",
-                      "--kv-heads", "8", "--vocab", "32000"], "hidden": 4096, "layers": 32, "bytes": 16.1e9},
+                      "--kv-heads", "8", "--vocab", "32000"], "hidden": 4096, "bytes": 16.1e9},
     "cpu": {"args": ["--hidden", "256", "--intermediate", "512", "--layers", "4", "--heads", "4", "--kv-heads", "2",
-                     "--vocab", "2048"], "hidden": 256, "layers": 4, "bytes": 0.01e9},
+                     "--vocab", "2048"], "hidden": 256, "bytes": 0.01e9},
 }
 PLAY = """- name: One role, as the bench asks
   hosts: localhost
@@ -35,7 +35,6 @@ def venvs(device, work):
     """(vLLM venv, speculators venv): the GPU machine's carried ones, or those of `make venvs`."""
     if device == "cuda":
         import trainlib
-        from vllm_server_h200 import venv_with_vllm
         trainlib.setup_venv()
         return venv_with_vllm(os.path.join(work, "venv")), trainlib.SPECVENV
     return tuple(os.path.join(REPO, ".cache", "venvs", v) for v in ("vllm", "speculators"))
@@ -103,6 +102,17 @@ def write_result(device, work, name, body):
         json.dump(result, f, indent=1)
         f.write("\n")
     print(json.dumps(result["summary"], indent=1))
+
+
+def vllm_bench_serve(cli, work, name, port, served, tokenizer, args):
+    """One `vllm bench serve` run (random dataset, ignore_eos) against the server on this port, with these
+    further arguments; its result JSON (kept as work/<name>)."""
+    subprocess.run(cli + ["bench", "serve", "--base-url", "http://127.0.0.1:%d" % port, "--model", served,
+                          "--tokenizer", tokenizer, "--dataset-name", "random", "--ignore-eos", "--save-result",
+                          "--result-dir", work, "--result-filename", name] + args,
+                   check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(work, name)) as f:
+        return json.load(f)
 
 
 def vllm_cli(device, venv, work):
