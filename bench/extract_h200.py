@@ -8,7 +8,7 @@ prepare-data and its trainer then read one checkpoint, as they read a real model
 L random token ids (default 500 x 2,048, 1.02M tokens).
 
 Three measurements, R rounds each, alternating which goes first:
-  * role: gpuflow.eagle3.hidden_state_extract at its defaults (the layer ids it picks for the model, its
+  * role: gpuflow.eagle3.hidden_state_extract at its defaults (speculators' default layer ids for the model, its
     client concurrency, outputs validated), against its own extraction server, which a warm-up run (not
     counted) starts and leaves up; the hidden states and manifest are removed between rounds.
     tokens/s = the manifest's tokens / the job's elapsed time (progress.json: speculators' client, the
@@ -90,8 +90,8 @@ def main():
     a.samples, a.length = a.samples or ROWS[a.device]["samples"], a.length or ROWS[a.device]["length"]
     work = work_dir(a.device, a.work)
     vllm_venv, spec_venv = venvs(a.device, work)
-    # on cuda the role's default for the model (speculators' [2, L // 2, L - 3]); 4 layers need their own
-    layer_ids = [] if a.device == "cuda" else [1, 2, 3]
+    # speculators' default for 32 layers ([2, L // 2, L - 3]), as the pipeline's preflight picks it; 4 layers need their own
+    layer_ids = [2, 16, 29] if a.device == "cuda" else [1, 2, 3]
     captured = 4  # with the last layer
     tokens = a.samples * a.length
     need = 1.1 * (tokens * captured * shape["hidden"] * 2 + shape["bytes"])
@@ -114,9 +114,8 @@ def main():
                    hidden_state_extract_output_dir=out, hidden_state_extract_port=port,
                    hidden_state_extract_seq_length=a.length, hidden_state_extract_venv=spec_venv,
                    hidden_state_extract_install=False, hidden_state_extract_lib_dir=os.path.join(work, "lib"),
-                   hidden_state_extract_concurrency=a.concurrency, hidden_state_extract_stop_server=False)
-    if layer_ids:
-        extract["hidden_state_extract_layer_ids"] = layer_ids
+                   hidden_state_extract_concurrency=a.concurrency, hidden_state_extract_stop_server=False,
+                   hidden_state_extract_layer_ids=layer_ids)
     if a.device == "cuda":
         extract["hidden_state_extract_gpu_backend"] = "nvml"
     else:
