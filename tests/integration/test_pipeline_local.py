@@ -121,7 +121,7 @@ def first_run():
     # run 2 generated the rest of the data and handed the GPU over (run 3 has no server to hand over)
     with open(os.path.join(REPORT, "pipeline-state.json")) as f:
         runs["handoff"] = json.load(f)["stages"]["handoff_inference"]
-    runs["orphans"] = [p for p in process_lines() if "generate-offline-data" in p and HIDDEN in p]
+    runs["extraction_left"] = [p for p in process_lines() if "hs_extract.py" in p and HIDDEN in p]
 
     # 3: finishes
     runs["finished"] = pipeline("run3.log")[0]
@@ -141,11 +141,11 @@ def test_server_stopped_by_hand_stops_the_generate_stage(first_run):
     assert "hidden_state_extract :" not in out, "a stage after generate started"
 
 
-def test_killed_extraction_job_stops_the_extract_stage_and_leaves_no_client(first_run):
+def test_killed_extraction_job_stops_the_extract_stage_and_leaves_no_extraction_process(first_run):
     rc, out = first_run["job_killed"]
     assert rc != 0 and "is gone without a final state" in out
-    # the job's speculators client died with it (it would write on beside the next run's)
-    assert first_run["orphans"] == []
+    # the client runs inside the job: nothing of it writes on beside the next run's
+    assert first_run["extraction_left"] == []
 
 
 def test_resumed_data_and_hidden_states_hold_each_sample_once(first_run):

@@ -21,8 +21,8 @@ Runs with the speculators venv's python, around speculators 0.9.0's own commands
             verifier and the GPU memory its training needs, against the declared GPUs.
   smoke     one sample through the extraction server: layer count, sequence length,
             dtype and token ids of the file vLLM writes; the file is removed after.
-  run       `speculators generate-offline-data` for this rank, rerun until every sample
-            of the shard has a readable file (at most --max-passes passes), progress in
+  run       the extraction client (Client) over this rank's samples, rerun until every
+            sample of the shard has a good file (at most --max-passes passes), progress in
             progress.json (samples done/total, bytes, rate, ETA). --detach: in its own
             session, surviving the caller.
   status / wait   print progress.json (wait: block up to --seconds for the job to end).
@@ -166,16 +166,23 @@ def read_header(path):
     return header, 8 + n + end
 
 
-def file_problem(path):
-    """None when the file's header is complete and its size matches it, else the reason."""
+def checked_header(path):
+    """(header, offset of the data, None) when the file's header is complete and its size matches it, else
+    (None, None, the reason)."""
     try:
-        expected = read_header(path)[1]
+        header, expected = read_header(path)
         actual = os.path.getsize(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return "unreadable header: %s" % e
+        return None, None, "unreadable header: %s" % e
     if actual != expected:
-        return "truncated: %d of %d bytes" % (actual, expected)
-    return None
+        return None, None, "truncated: %d of %d bytes" % (actual, expected)
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    return header, expected - max(ends or [0]), None
+
+
+def file_problem(path):
+    """None when the file's header is complete and its size matches it, else the reason."""
+    return checked_header(path)[2]
 
 
 def load_dataset(path):
@@ -599,6 +606,8 @@ def http_json(url, body=None, timeout=600):
 
 
 def wait_unlocked(lock_path, timeout):
+    """Returns once the connector has released its exclusive lock on lock_path (it holds it while the
+    file is written; the lock file itself stays); TimeoutError after timeout seconds."""
     import fcntl
     deadline = time.time() + timeout
     with open(lock_path) as lf:
@@ -608,8 +617,8 @@ def wait_unlocked(lock_path, timeout):
                 return
             except BlockingIOError:
                 if time.time() > deadline:
-                    raise SystemExit("the server did not finish writing %s within %d s" % (lock_path, timeout))
-                time.sleep(0.05)
+                    raise TimeoutError("the server did not finish writing %s within %d s" % (lock_path, timeout))
+                time.sleep(0.01)
 
 
 def cmd_smoke(a):
@@ -625,13 +634,15 @@ def cmd_smoke(a):
     if not path:
         raise SystemExit("the server answered without kv_transfer_params.hidden_states_path: is it the "
                          "extract profile? answer: %s" % json.dumps(resp)[:500])
-    if os.path.exists(path + ".lock"):
-        wait_unlocked(path + ".lock", a.timeout)
     try:
+        if os.path.exists(path + ".lock"):
+            wait_unlocked(path + ".lock", a.timeout)
         with safe_open(path, framework="pt") as f:
             hs = f.get_slice("hidden_states")
             shape, dtype = list(hs.get_shape()), hs.get_dtype()
             token_ids = [int(x) for x in f.get_tensor("token_ids").tolist()]
+    except TimeoutError as e:
+        raise SystemExit(str(e)) from None
     finally:
         for p in (path, path + ".lock"):
             if os.path.exists(p):
@@ -651,6 +662,192 @@ def cmd_smoke(a):
     return 0
 
 
+# ----------------------------------------------------------------------------- the extraction client
+# What the job sends and checks. Its own, not `speculators generate-offline-data`: that command imports torch and
+# transformers before its first request (17 s on an H200 host), a fixed cost of every pass and every rank.
+# The exponent bits of each storage dtype: all set means inf or NaN (F8_E4M3 has no inf; 0x7F is its NaN)
+NON_FINITE_MASK = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000), "F8_E4M3": ("u1", 0x7F)}
+FINITE_CHECK_CHUNK = 16 << 20  # bytes read at a time: 32 requests in flight hold 512 MiB, not 32 whole files
+
+
+class SampleError(Exception):
+    """A sample the server answered wrongly: retrying the same request would not help."""
+
+
+class InputIds:
+    """The prepared dataset's input_ids, row i as a list of ints when asked for, read with pyarrow from the files
+    `datasets` saved: no import of datasets, and so none of torch."""
+
+    def __init__(self, column):
+        self.column = column
+
+    def __len__(self):
+        return len(self.column)
+
+    def __getitem__(self, i):
+        return self.column[i].as_py()
+
+
+def read_input_ids(dataset_dir):
+    """InputIds of the prepared dataset in dataset_dir."""
+    import pyarrow as pa
+    with open(os.path.join(dataset_dir, "state.json")) as f:
+        files = [d["filename"] for d in json.load(f)["_data_files"]]
+    tables = []
+    for name in files:
+        with pa.memory_map(os.path.join(dataset_dir, name)) as source:
+            tables.append(pa.ipc.open_stream(source).read_all().select(["input_ids"]))
+    return InputIds(pa.concat_tables(tables).column("input_ids"))
+
+
+def tensor_bytes(path, header, base, name):
+    """The raw bytes of one tensor of a safetensors file (its header and data offset from checked_header)."""
+    begin, end = header[name]["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(base + begin)
+        return f.read(end - begin)
+
+
+def non_finite_values(path, header, base, name):
+    """Whether the tensor holds inf or NaN, read in chunks (numpy: no torch)."""
+    import numpy
+    dtype, mask = NON_FINITE_MASK[header[name]["dtype"]]
+    itemsize = numpy.dtype(dtype).itemsize
+    begin, end = header[name]["data_offsets"]
+    buf = bytearray(FINITE_CHECK_CHUNK - FINITE_CHECK_CHUNK % itemsize)
+    with open(path, "rb") as f:
+        f.seek(base + begin)
+        left = end - begin
+        while left > 0:
+            n = f.readinto(memoryview(buf)[:min(left, len(buf))])
+            if not n:
+                raise SampleError("%s ends inside tensor %s" % (path, name))
+            if numpy.any((numpy.frombuffer(buf, dtype=dtype, count=n // itemsize) & mask) == mask):
+                return True
+            left -= n
+    return False
+
+
+def sample_problem(path, ids, check_values):
+    """None when the file holds the sample: hidden_states [len(ids), ...] and token_ids equal to ids, and (with
+    check_values) only finite values; else the reason."""
+    header, base, problem = checked_header(path)
+    if problem:
+        return problem
+    if "hidden_states" not in header or "token_ids" not in header:
+        return "tensors %s, expected hidden_states and token_ids" % sorted(k for k in header if not k.startswith("__"))
+    if header["hidden_states"]["shape"][0] != len(ids):
+        return "hidden_states shape %s for %d tokens" % (header["hidden_states"]["shape"], len(ids))
+    if header["token_ids"]["dtype"] != "I64":
+        return "token_ids dtype %s, expected I64" % header["token_ids"]["dtype"]
+    raw = tensor_bytes(path, header, base, "token_ids")
+    if list(struct.unpack("<%dq" % (len(raw) // 8), raw)) != ids:
+        return "token_ids differ from the sample's input_ids"
+    if check_values and header["hidden_states"]["dtype"] in NON_FINITE_MASK and \
+            non_finite_values(path, header, base, "hidden_states"):
+        return "hidden_states hold inf or NaN"
+    return None
+
+
+def place(src, dst):
+    """Moves the server's file to its final name: a rename (the plan keeps staging on the output's filesystem);
+    across filesystems a copy under a temporary name first, so a final name never holds half a file."""
+    import errno
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        shutil.copyfile(src, dst + ".part")
+        os.rename(dst + ".part", dst)
+        os.remove(src)
+
+
+class Client:
+    """One pass over the samples still missing: C requests at a time (a completion of the token ids,
+    max_tokens 1), each file waited for through its lock, checked and renamed into place."""
+
+    def __init__(self, a, input_ids):
+        import threading
+        self.a = a
+        self.input_ids = input_ids
+        self.url = a.endpoint.rstrip("/") + "/completions"
+        self.abort = threading.Event()  # set once C samples in a row failed: the server is likely gone
+        self.lock = threading.Lock()
+        self.failed_in_row = 0
+        self.counts = {"ok": 0, "failed": 0, "request_s": 0.0, "place_s": 0.0}
+
+    def request(self, ids):
+        """The server's file for these token ids, with retries (2, 4, 8 s apart) of what may pass."""
+        import urllib.error
+        body = {"model": self.a.served_model, "prompt": ids, "max_tokens": 1, "return_token_ids": True}
+        for attempt in range(self.a.max_retries + 1):
+            try:
+                answer = http_json(self.url, body, timeout=self.a.request_timeout)
+                break
+            except urllib.error.HTTPError as e:
+                if e.code < 500 or attempt == self.a.max_retries:
+                    raise SampleError("HTTP %d: %s" % (e.code, e.read()[:300].decode("utf-8", "replace"))) from None
+            except (OSError, ValueError) as e:  # refused, reset, timed out, a cut-off answer
+                if attempt == self.a.max_retries:
+                    raise SampleError("no answer after %d attempts: %s" % (attempt + 1, e)) from None
+            time.sleep(2 ** (attempt + 1))
+        choice = (answer.get("choices") or [{}])[0]
+        if choice.get("prompt_token_ids") not in (None, ids):
+            raise SampleError("the server tokenised the prompt differently (prompt_token_ids differ)")
+        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise SampleError("no kv_transfer_params.hidden_states_path in the answer: %s" % json.dumps(answer)[:300])
+        return path
+
+    def one(self, idx):
+        if self.abort.is_set():
+            return
+        ids = self.input_ids[idx]
+        target = os.path.join(self.a.hs_dir, hs_name(idx))
+        try:
+            t0 = time.monotonic()
+            path = self.request(ids)
+            t1 = time.monotonic()
+            if os.path.exists(path + ".lock"):
+                wait_unlocked(path + ".lock", self.a.request_timeout)
+            problem = sample_problem(path, ids, self.a.validate_outputs)
+            if problem:
+                os.remove(path)
+                raise SampleError(problem)
+            place(path, target)
+            if os.path.exists(path + ".lock"):
+                os.remove(path + ".lock")
+            with self.lock:
+                self.counts["request_s"] += t1 - t0
+                self.counts["place_s"] += time.monotonic() - t1
+                self.counts["ok"] += 1
+                self.failed_in_row = 0
+        except (SampleError, TimeoutError, OSError) as e:
+            print("sample %d failed: %s" % (idx, e), flush=True)
+            with self.lock:
+                self.counts["failed"] += 1
+                self.failed_in_row += 1
+                if self.failed_in_row >= self.a.concurrency:
+                    self.abort.set()
+
+    def run(self, todo, tick):
+        """Every index of todo once (tick() every progress interval while they run); the counts."""
+        import concurrent.futures
+        t0 = time.monotonic()
+        pool = concurrent.futures.ThreadPoolExecutor(self.a.concurrency, thread_name_prefix="extract")
+        pending = {pool.submit(self.one, i) for i in todo}
+        while pending:
+            tick()
+            _, pending = concurrent.futures.wait(pending, timeout=self.a.progress_interval)
+        pool.shutdown()
+        self.counts["seconds"] = time.monotonic() - t0
+        if self.abort.is_set():
+            print("pass stopped: %d samples in a row failed; is the server up at %s?" % (
+                self.a.concurrency, self.a.endpoint), flush=True)
+        return self.counts
+
+
 # ----------------------------------------------------------------------------- run (detached job)
 def job_paths(out):
     return {"progress": os.path.join(out, "progress.json"), "pid": os.path.join(out, "extract.pid"),
@@ -665,18 +862,12 @@ def job_alive(out):
     return live_pid(job_paths(out)["pid"], looks_like)
 
 
-def die_with_parent():
-    """In the client, before exec: SIGTERM when the job dies, so a killed job leaves no client writing on."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Job:
-    def __init__(self, a):
+    def __init__(self, a, input_ids, started):
         self.a = a
+        self.input_ids = input_ids
         self.p = job_paths(a.out)
-        self.child = None
-        self.t0 = time.time()
+        self.t0 = started
         self.base_done = None
         self.passes = 0
 
@@ -702,47 +893,39 @@ class Job:
         return p
 
     def one_pass(self):
-        a = self.a
-        argv = [sys.executable, "-m", "speculators", "generate-offline-data",
-                "--endpoint", a.endpoint, "--preprocessed-data", a.dataset, "--output", a.hs_dir,
-                "--concurrency", str(a.concurrency), "--request-timeout", str(a.request_timeout),
-                "--max-retries", str(a.max_retries), "--world-size", str(a.world_size), "--rank", str(a.rank),
-                "--model", a.served_model]
-        if a.validate_outputs:
-            argv.append("--validate-outputs")
-        with open(self.p["log"], "ab") as log:
-            log.write(("=== pass %d: %s\n" % (self.passes, " ".join(argv))).encode())
-            log.flush()
-            self.child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-            while self.child.poll() is None:
-                self.progress("running")
-                try:  # returns as soon as the client exits, not at the next tick
-                    self.child.wait(timeout=a.progress_interval)
-                except subprocess.TimeoutExpired:
-                    pass
-        rc, self.child = self.child.returncode, None
-        return rc
+        """The client over this shard's samples that have no good file yet; its counts, logged."""
+        todo = self.incomplete()
+        for i in todo:  # a truncated or unreadable file is made again
+            path = os.path.join(self.a.hs_dir, hs_name(i))
+            if os.path.exists(path):
+                os.remove(path)
+        print("=== pass %d: %d of %d samples, %d requests at a time, to %s" % (
+            self.passes, len(todo), self.a.end - self.a.start, self.a.concurrency, self.a.endpoint), flush=True)
+        counts = Client(self.a, self.input_ids).run(todo, lambda: self.progress("running"))
+        print("=== pass %d: %d ok, %d failed in %.1f s (requests %.1f s, checks and renames %.1f s, summed over "
+              "requests)" % (self.passes, counts["ok"], counts["failed"], counts["seconds"], counts["request_s"],
+                             counts["place_s"]), flush=True)
+        return counts
 
     def run(self):
         a = self.a
 
         def on_term(signum, _frame):
-            if self.child is not None and self.child.poll() is None:
-                self.child.send_signal(signum)  # the child this job started, nothing else
             self.progress("stopped", {"signal": signum})
-            sys.exit(128 + signum)
+            # now: the client's threads would hold a normal exit until their requests end
+            os._exit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
-        last_rc, bad = None, []
+        counts, bad = None, []
         while self.passes < a.max_passes:
             self.passes += 1
-            last_rc = self.one_pass()
+            counts = self.one_pass()
             bad = self.incomplete()
             if not bad:
-                self.progress("extracted", {"last_rc": last_rc})
+                self.progress("extracted", {"last_pass": counts})
                 return 0
-        self.progress("failed", {"last_rc": last_rc, "missing_or_bad": bad[:20],
+        self.progress("failed", {"last_pass": counts, "missing_or_bad": bad[:20],
                                  "msg": "samples still missing after %d passes; see %s" % (self.passes, self.p["log"])})
         return 1
 
@@ -755,22 +938,24 @@ class Job:
 
 
 def cmd_run(a):
+    started = time.time()  # the job's elapsed time includes reading the dataset
     running = job_alive(a.out)
     if running:
         emit({"started": False, "running": True, "pid": running})
         return 0
     os.makedirs(a.hs_dir, exist_ok=True)
-    a.start, a.end = shard_range(len(load_dataset(a.dataset)), a.world_size, a.rank)
+    input_ids = read_input_ids(a.dataset)
+    a.start, a.end = shard_range(len(input_ids), a.world_size, a.rank)
     paths = job_paths(a.out)
     if a.detach:
-        # the job leads its own process group: one signal reaches it and its client
+        # the job leads its own process group: one signal reaches it and whatever it started
         launched = detach(paths["log"], paths["pid"])
         if launched is not None:
             emit(launched)
             return 0
     else:
         write_pidfile(paths["pid"])
-    job = Job(a)
+    job = Job(a, input_ids, started)
     job.progress("starting")
     rc = job.run()
     if a.detach:
