@@ -902,7 +902,7 @@ class Job:
         print("=== pass %d: %d of %d samples, %d requests at a time, to %s" % (
             self.passes, len(todo), self.a.end - self.a.start, self.a.concurrency, self.a.endpoint), flush=True)
         counts = Client(self.a, self.input_ids).run(todo, lambda: self.progress("running"))
-        print("=== pass %d: %d ok, %d failed in %.1f s (requests %.1f s, checks and renames %.1f s, summed over "
+        print("=== pass %d: %d ok, %d failed in %.1f s (requests %.1f s, lock waits, checks and renames %.1f s, summed over "
               "requests)" % (self.passes, counts["ok"], counts["failed"], counts["seconds"], counts["request_s"],
                              counts["place_s"]), flush=True)
         return counts
