@@ -139,8 +139,8 @@ def test_a_request_the_server_refuses_is_not_retried(dirs):
 
 
 def test_a_pass_stops_once_concurrency_samples_in_a_row_failed(dirs, capsys):
-    _, hs = dirs
-    server = Connector(dirs[0])
+    staging, hs = dirs
+    server = Connector(staging)
     endpoint = server.endpoint
     server.shutdown()
     server.server_close()  # nothing listens on the port any more

@@ -839,7 +839,7 @@ class Client:
         pending = {pool.submit(self.one, i) for i in todo}
         while pending:
             tick()
-            _, pending = concurrent.futures.wait(pending, timeout=self.a.progress_interval)
+            pending = concurrent.futures.wait(pending, timeout=self.a.progress_interval).not_done
         pool.shutdown()
         self.counts["seconds"] = time.monotonic() - t0
         if self.abort.is_set():
