@@ -88,6 +88,14 @@ MUTATIONS = [
              '    if not p["running"] and p.get("state") in RUNNING_STATES:\n',
              "    if False:\n",
              "tests/unit/test_gpuflow_jobs.py"),
+    Mutation("extract-waits-for-the-write", "roles/hidden_state_extract/files/hs_extract.py",
+             '                wait_unlocked(path + ".lock", self.a.request_timeout)\n',
+             "                pass\n",
+             "tests/unit/test_hs_extract_client.py"),
+    Mutation("extract-refuses-non-finite", "roles/hidden_state_extract/files/hs_extract.py",
+             '            non_finite_values(path, header, base, "hidden_states"):\n',
+             "            False:\n",
+             "tests/unit/test_hs_extract_client.py"),
 ]
 
 
