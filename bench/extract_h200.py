@@ -11,7 +11,7 @@ Three measurements, R rounds each, alternating which goes first:
   * role: gpuflow.eagle3.hidden_state_extract at its defaults (speculators' default layer ids for the model, its
     client concurrency, outputs validated), against its own extraction server, which a warm-up run (not
     counted) starts and leaves up; the hidden states and manifest are removed between rounds.
-    tokens/s = the manifest's tokens / the job's elapsed time (progress.json: speculators' client, the
+    tokens/s = the manifest's tokens / the job's elapsed time (progress.json: the job's client, the
     checks between passes, validation); the whole ansible-playbook command's wall time is kept beside it;
   * connector: the same server and prompts, a minimal client (the standard library): C requests at a
     time, each a completion of the token ids with max_tokens 1, then a shared flock on the file's .lock

@@ -217,8 +217,8 @@ def main():
     }
     os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
     with open(out_json, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+        # the work directory's path is this machine's: the file names it <work>
+        f.write(json.dumps(result, indent=1).replace(json.dumps(work)[1:-1], "<work>") + "\n")
 
     def cell(v, spec):
         return "-" if v is None else spec % v

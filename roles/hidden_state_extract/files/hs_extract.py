@@ -150,7 +150,7 @@ def list_hs(hs_dir):
 
 
 def read_header(path):
-    """(header dict, expected file size) of a safetensors file, or raise ValueError."""
+    """(header dict, offset of the data, expected file size) of a safetensors file, or raise ValueError."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -163,21 +163,20 @@ def read_header(path):
             raise ValueError("header cut short")
     header = json.loads(body.decode("utf-8"))
     end = max([t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"] or [0])
-    return header, 8 + n + end
+    return header, 8 + n, 8 + n + end
 
 
 def checked_header(path):
     """(header, offset of the data, None) when the file's header is complete and its size matches it, else
     (None, None, the reason)."""
     try:
-        header, expected = read_header(path)
+        header, base, expected = read_header(path)
         actual = os.path.getsize(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, None, "unreadable header: %s" % e
     if actual != expected:
         return None, None, "truncated: %d of %d bytes" % (actual, expected)
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
-    return header, expected - max(ends or [0]), None
+    return header, base, None
 
 
 def file_problem(path):
@@ -622,9 +621,7 @@ def wait_unlocked(lock_path, timeout):
 
 
 def cmd_smoke(a):
-    from safetensors import safe_open
-    ds = load_dataset(a.dataset)
-    ids = [int(x) for x in ds[a.index]["input_ids"]]
+    ids = read_input_ids(a.dataset)[a.index]
     t0 = time.time()
     resp = http_json(a.endpoint.rstrip("/") + "/completions",
                      {"model": a.served_model, "prompt": ids, "max_tokens": 1, "return_token_ids": True})
@@ -637,12 +634,14 @@ def cmd_smoke(a):
     try:
         if os.path.exists(path + ".lock"):
             wait_unlocked(path + ".lock", a.timeout)
-        with safe_open(path, framework="pt") as f:
-            hs = f.get_slice("hidden_states")
-            shape, dtype = list(hs.get_shape()), hs.get_dtype()
-            token_ids = [int(x) for x in f.get_tensor("token_ids").tolist()]
+        header, base, why = checked_header(path)
+        if why:
+            raise ValueError(why)
+        shape, dtype, token_ids = sample_tensors(path, header, base)
     except TimeoutError as e:
         raise SystemExit(str(e)) from None
+    except ValueError as e:
+        raise SystemExit("the server's file %s: %s" % (path, e)) from None
     finally:
         for p in (path, path + ".lock"):
             if os.path.exists(p):
@@ -728,20 +727,32 @@ def non_finite_values(path, header, base, name):
     return False
 
 
+def sample_tensors(path, header, base):
+    """(hidden_states shape, its dtype, token_ids) of a hidden-states file whose header checked_header read;
+    ValueError when a tensor is missing or the token ids are not I64."""
+    if "hidden_states" not in header or "token_ids" not in header:
+        raise ValueError("tensors %s, expected hidden_states and token_ids"
+                         % sorted(k for k in header if k != "__metadata__"))
+    if header["token_ids"]["dtype"] != "I64":
+        raise ValueError("token_ids dtype %s, expected I64" % header["token_ids"]["dtype"])
+    raw = tensor_bytes(path, header, base, "token_ids")
+    return header["hidden_states"]["shape"], header["hidden_states"]["dtype"], \
+        list(struct.unpack("<%dq" % (len(raw) // 8), raw))
+
+
 def sample_problem(path, ids, check_values):
     """None when the file holds the sample: hidden_states [len(ids), ...] and token_ids equal to ids, and (with
     check_values) only finite values; else the reason."""
     header, base, problem = checked_header(path)
     if problem:
         return problem
-    if "hidden_states" not in header or "token_ids" not in header:
-        return "tensors %s, expected hidden_states and token_ids" % sorted(k for k in header if not k.startswith("__"))
-    if header["hidden_states"]["shape"][0] != len(ids):
-        return "hidden_states shape %s for %d tokens" % (header["hidden_states"]["shape"], len(ids))
-    if header["token_ids"]["dtype"] != "I64":
-        return "token_ids dtype %s, expected I64" % header["token_ids"]["dtype"]
-    raw = tensor_bytes(path, header, base, "token_ids")
-    if list(struct.unpack("<%dq" % (len(raw) // 8), raw)) != ids:
+    try:
+        shape, _dtype, token_ids = sample_tensors(path, header, base)
+    except ValueError as e:
+        return str(e)
+    if shape[0] != len(ids):
+        return "hidden_states shape %s for %d tokens" % (shape, len(ids))
+    if token_ids != ids:
         return "token_ids differ from the sample's input_ids"
     if check_values and header["hidden_states"]["dtype"] in NON_FINITE_MASK and \
             non_finite_values(path, header, base, "hidden_states"):
@@ -892,9 +903,8 @@ class Job:
         atomic_json(self.p["progress"], p, sync=state != "running")
         return p
 
-    def one_pass(self):
-        """The client over this shard's samples that have no good file yet; its counts, logged."""
-        todo = self.incomplete()
+    def one_pass(self, todo):
+        """The client over todo, this shard's samples that have no good file yet; its counts, logged."""
         for i in todo:  # a truncated or unreadable file is made again
             path = os.path.join(self.a.hs_dir, hs_name(i))
             if os.path.exists(path):
@@ -917,10 +927,10 @@ class Job:
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
-        counts, bad = None, []
+        counts, bad = None, self.incomplete()
         while self.passes < a.max_passes:
             self.passes += 1
-            counts = self.one_pass()
+            counts = self.one_pass(bad)
             bad = self.incomplete()
             if not bad:
                 self.progress("extracted", {"last_pass": counts})
@@ -978,9 +988,8 @@ def cmd_wait(a):
 
 # ----------------------------------------------------------------------------- validate / finish / check
 def cmd_validate(a):
-    from safetensors import safe_open
-    ds = load_dataset(a.dataset)
-    start, end = shard_range(len(ds), a.world_size, a.rank)
+    input_ids = read_input_ids(a.dataset)
+    start, end = shard_range(len(input_ids), a.world_size, a.rank)
     problems, sizes, tokens = [], {}, 0
     dtype_seen = set()
     for i in range(start, end):
@@ -988,15 +997,16 @@ def cmd_validate(a):
         if not os.path.exists(path):
             problems.append("sample %d: no file" % i)
             continue
-        why = file_problem(path)
+        header, base, why = checked_header(path)
+        if not why:
+            try:
+                shape, dtype, token_ids = sample_tensors(path, header, base)
+            except ValueError as e:
+                why = str(e)
         if why:
             problems.append("sample %d: %s" % (i, why))
             continue
-        ids = [int(x) for x in ds[i]["input_ids"]]
-        with safe_open(path, framework="pt") as f:
-            hs = f.get_slice("hidden_states")
-            shape, dtype = list(hs.get_shape()), hs.get_dtype()
-            token_ids = [int(x) for x in f.get_tensor("token_ids").tolist()]
+        ids = input_ids[i]
         dtype_seen.add(dtype)
         if shape != [len(ids), a.layers, a.hidden]:
             problems.append("sample %d: shape %s, expected %s" % (i, shape, [len(ids), a.layers, a.hidden]))
