@@ -3,9 +3,10 @@
 # and molecule scenarios, the total against the 35-minute budget); exit non-zero if any phase failed.
 # Phases: unit venvs mutation lint sanity package integration molecule controller-next.
 # - integration splits in three: the modules marked `venvs` (real vLLM and speculators in the shared venvs that
-#   the venvs phase builds) as integration-vllm (extraction and training, which share one extraction) and
-#   integration-generate (also marked `generate`: the generation stage and whole pipelines, with servers of
-#   their own), and integration-quick, the rest (which need no venvs).
+#   the venvs phase builds) as integration-vllm (generation, extraction and training; the last two share one
+#   extraction) and integration-pipeline (also marked `pipeline`: the whole pipelines, with servers of their
+#   own), and integration-quick, the rest (which need no venvs). The two take about as long (the one that
+#   ends last runs alone, on less than the machine's two cores).
 # - molecule splits in two: molecule-hosts, the scenarios without a vLLM server (default, gpu_fleet,
 #   pipeline_transfer), and molecule-vllm, those with one (pipeline, vllm_server, which mount the venvs).
 # - controller-next: the newest ansible-core on Python 3.13 in a trixie container (unit, sanity, molecule
@@ -34,8 +35,8 @@ run_phase() {
         package)     scripts/package_check.sh ;;
         integration) pytest -q --durations=12 --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
         integration-quick) pytest -q -m "not venvs" --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
-        integration-vllm)  pytest -q -m "venvs and not generate" --durations=12 --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
-        integration-generate) pytest -q -m "venvs and generate" --durations=12 --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
+        integration-vllm)  pytest -q -m "venvs and not pipeline" --durations=12 --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
+        integration-pipeline) pytest -q -m "venvs and pipeline" --durations=12 --junitxml="$LOGS/junit-$1.xml" tests/integration ;;
         molecule)    scripts/molecule.sh ;;
         molecule-hosts) scripts/molecule.sh default gpu_fleet pipeline_transfer ;;
         molecule-vllm)  scripts/molecule.sh pipeline vllm_server ;;
@@ -46,7 +47,7 @@ run_phase() {
 for group in "$@"; do
     for phase in ${group//+/ }; do
         case "$phase" in
-            unit|venvs|mutation|lint|sanity|package|integration|integration-quick|integration-vllm|integration-generate) ;;
+            unit|venvs|mutation|lint|sanity|package|integration|integration-quick|integration-vllm|integration-pipeline) ;;
             molecule|molecule-hosts|molecule-vllm|controller-next) ;;
             *) echo "test.sh: unknown phase '$phase'" >&2; exit 2 ;;
         esac

@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 
-from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
+from vllm_localhost import CACHE, REPO, SERVER_ENV, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
 
 # 40 complete rows and 8 truncated ones
 SAMPLES = 48
@@ -86,7 +86,7 @@ def extraction_setup(name, samples, truncated):
     base = dict(VLLM_INSTALL, **{
         "vllm_server_home": os.path.join(root, "home"), "vllm_server_config_dir": os.path.join(root, "etc"),
         "vllm_server_max_model_len": 1024, "vllm_server_shutdown_timeout": 5, "vllm_server_stop_timeout": 60,
-        "vllm_server_ready_timeout": 600, "vllm_server_env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        "vllm_server_ready_timeout": 600, "vllm_server_env": SERVER_ENV,
         "vllm_server_extra_args": ["--dtype", "bfloat16", "--enforce-eager"],
     })
     subprocess.run([os.path.join(VENV, "bin", "python"), os.path.join(REPO, "tools", "make_tiny_model.py"), model],

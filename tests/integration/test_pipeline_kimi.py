@@ -20,7 +20,7 @@ import local_pipeline
 from extract_env import ensure_wheelhouses
 from vllm_localhost import CACHE, cpu_has_amx, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.generate]
+pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.pipeline]
 
 ROOT = os.path.join(CACHE, "it", "pipeline-kimi")
 WORK = os.path.join(ROOT, "share", "gpuflow")

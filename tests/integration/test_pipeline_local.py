@@ -28,7 +28,7 @@ from extract_env import ensure_wheelhouses
 from report_screenshot import figure_blue_share, non_white_share, screenshot
 from vllm_localhost import CACHE, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.generate]
+pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.pipeline]
 
 ROOT = os.path.join(CACHE, "it", "pipeline")
 WORK = os.path.join(ROOT, "share", "gpuflow")
@@ -59,16 +59,20 @@ def finished(proc, log_name):
     return local_pipeline.finished(ROOT, proc, log_name)
 
 
-def wait_for(proc, what, ready, timeout=900):
-    """Polls ready() every half second while the pipeline runs; fails if the pipeline ends first."""
+def wait_for(proc, log_name, what, ready, timeout=900):
+    """Polls ready() every half second while the pipeline runs; fails, with the run's last lines, if the
+    pipeline ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if ready():
             return
         time.sleep(0.5)
-    if proc.poll() is None:
+    ended = proc.poll() is not None
+    if not ended:
         os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail("the pipeline %s before %s" % ("ended" if proc.poll() is not None else "timed out", what))
+    out = finished(proc, log_name)[1]
+    pytest.fail("the pipeline %s before %s; the end of %s:\n%s"
+                % ("ended" if ended else "timed out", what, log_name, out[-6000:]))
 
 
 def lines(path):
@@ -106,7 +110,7 @@ def first_run():
 
     # 1: once the data is under way, stop the generation server by hand
     proc = pipeline("run1.log", background=True)
-    wait_for(proc, "8 prompts were answered",
+    wait_for(proc, "run1.log", "8 prompts were answered",
              lambda: lines(os.path.join(DATA, "rows.jsonl")) + lines(os.path.join(DATA, "truncated.jsonl")) >= 8)
     with open(SERVER_PIDFILE) as f:
         os.kill(json.load(f)["pid"], signal.SIGTERM)
@@ -114,7 +118,7 @@ def first_run():
 
     # 2: the rerun resumes the data; once extraction is under way, kill the extraction job
     proc = pipeline("run2.log", background=True)
-    wait_for(proc, "8 samples were extracted", lambda: len(glob.glob(os.path.join(HIDDEN, "hs", "hs_*.safetensors"))) >= 8)
+    wait_for(proc, "run2.log", "8 samples were extracted", lambda: len(glob.glob(os.path.join(HIDDEN, "hs", "hs_*.safetensors"))) >= 8)
     with open(os.path.join(HIDDEN, "extract.pid")) as f:
         os.kill(json.load(f)["pid"], signal.SIGKILL)
     runs["job_killed"] = finished(proc, "run2.log")
@@ -219,7 +223,7 @@ def launch_logs():
 def test_rerun_skips_every_stage_and_starts_no_server(first_run):
     before = launch_logs()
     assert len(before) >= 4  # generate, extract, two evaluation servers (and the trainer)
-    out, took = pipeline("run2.log")
+    out, took = pipeline("run4.log")
     print("no-op rerun: %.0f s" % took)
     st = statuses()
     assert all(st[name] == "skipped" for name in ("generate", "extract", "train", "evaluate")), st

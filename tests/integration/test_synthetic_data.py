@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from vllm_localhost import CACHE, REPO, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
+from vllm_localhost import CACHE, REPO, SERVER_ENV, VENV, WHEELHOUSE, ensure_wheelhouse, free_port, group_members, run_playbook
 
-pytestmark = [pytest.mark.slow, pytest.mark.venvs, pytest.mark.generate]
+pytestmark = [pytest.mark.slow, pytest.mark.venvs]
 PLAYBOOK = os.path.join(REPO, "playbooks", "serve_and_generate.yml")
 KEY = "it-secret"
 
@@ -64,7 +64,7 @@ def env():
         "vllm_server_shutdown_timeout": 5,
         "vllm_server_stop_timeout": 60,
         "vllm_server_ready_timeout": 600,
-        "vllm_server_env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        "vllm_server_env": SERVER_ENV,
         "vllm_server_extra_args": ["--dtype", "bfloat16", "--enforce-eager"],
         "synthetic_data_name": "it",
         "synthetic_data_concurrency": 1,

@@ -6,11 +6,23 @@ import os
 import socket
 import subprocess
 
+import yaml
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = os.path.join(REPO, ".cache")
 WHEELHOUSE = os.path.join(CACHE, "wheelhouse", "vllm")
 VENV = os.path.join(CACHE, "venvs", "vllm")
 PLAYBOOK_BIN = os.path.join(REPO, ".venv", "bin", "ansible-playbook")
+
+
+def local_default_server_env():
+    """vllm_server_env of the local default (inventories/local): its KV cache size and thread settings."""
+    with open(os.path.join(REPO, "inventories", "local", "group_vars", "all.yml")) as f:
+        return yaml.safe_load(f)["vllm_server_env"]
+
+
+# the tests' own servers run as the local default's do
+SERVER_ENV = local_default_server_env()
 
 
 def free_port():
