@@ -4,7 +4,7 @@ VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: system-deps bootstrap wheelhouses preflight pipeline test quick unit venvs mutation lint sanity integration integration-quick integration-vllm integration-pipeline package molecule controller-next clean
+.PHONY: system-deps bootstrap wheelhouses preflight pipeline test quick unit venvs mutation lint sanity integration integration-quick integration-nonroot integration-vllm integration-pipeline package molecule controller-next clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -24,12 +24,12 @@ pipeline: wheelhouses
 
 # system-deps first: it stops a run without root before anything else starts
 test: system-deps bootstrap
-	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh venvs+unit+package+lint+integration-quick+molecule-hosts+controller-next integration-vllm+integration-pipeline+mutation+sanity+molecule-vllm
+	GPUFLOW_REQUIRE_CHROMIUM=1 scripts/test.sh venvs+unit+package+lint+integration-quick+integration-nonroot+molecule-hosts+controller-next integration-vllm+integration-pipeline+mutation+sanity+molecule-vllm
 
 quick: bootstrap
 	scripts/test.sh unit lint integration
 
-unit venvs mutation lint sanity package integration integration-quick integration-vllm integration-pipeline molecule controller-next: bootstrap
+unit venvs mutation lint sanity package integration integration-quick integration-nonroot integration-vllm integration-pipeline molecule controller-next: bootstrap
 	scripts/test.sh $@
 
 clean:

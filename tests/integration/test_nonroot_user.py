@@ -6,9 +6,9 @@ with that wheel through PIP_FIND_LINKS, the account builds both wheelhouses and 
 (`make wheelhouses preflight`: everything `make pipeline` does before its first stage). Nothing it writes lies
 outside its home, and in its home nothing outside the XDG directories, Ansible's ~/.ansible and the checkout copy.
 
-Needs root (useradd); skipped otherwise (make test runs as root). 14 to 17 minutes in make test on a 2-core
-machine, most of it pip resolving and downloading into the account's own cache: the bootstrap's venv and the
-two wheelhouses.
+Needs root (useradd); skipped otherwise (make test runs as root). 5 to 21 minutes in make test on a 2-core
+machine (its own phase, integration-nonroot), most of it pip resolving and downloading into the account's own cache:
+the bootstrap's venv and the two wheelhouses.
 """
 import os
 import pwd
@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.nonroot,
               pytest.mark.skipif(os.geteuid() != 0, reason="creates an account (useradd): needs root")]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
