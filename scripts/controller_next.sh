@@ -11,16 +11,16 @@
 #   - the checkout mounted at its own path, so paths in scenarios and ansible.cfg stay true;
 #   - the engine's socket and the host's docker CLI (the community.docker connection runs
 #     `docker exec`), so molecule inside drives the host's engine, as scripts/molecule.sh does;
-#   - /tmp/gpuflow-molecule.lock (GPUFLOW_MOLECULE_LOCK), so the molecule part takes turns with
-#     every other scripts/molecule.sh run on this machine;
+#   - /tmp/gpuflow-molecule.locks (GPUFLOW_MOLECULE_LOCKS), so that its scenario takes turns with
+#     the same scenario of every other scripts/molecule.sh run on this machine;
 #   - the host's CA bundle, so pip reaches PyPI the way the host does.
 # It runs as the calling user, so what it writes into the checkout is owned as if the host had
 # written it. Its own state lies in .cache/controller-next (nothing the host's runs use): the venv
 # with requirements/controller-next.txt (rebuilt only when that list or the image's Python
 # changed), HOME (pip's cache, ansible's tmp), and ansible-test's work folder
 # (scripts/sanity.sh with GPUFLOW_SANITY_WORK). No .pyc files or pytest cache are written into
-# the checkout. molecule's ephemeral state (.ansible/tmp) is shared with the host's runs, one at a
-# time under the lock.
+# the checkout. molecule's ephemeral state (.ansible/tmp) is shared with the host's runs, one run
+# of a scenario at a time under that scenario's lock.
 # Prints the ansible-core and Python that ran and each part's time; exits non-zero when any part
 # (or the set-up) failed.
 set -uo pipefail
@@ -31,7 +31,7 @@ REQUIREMENTS=$ROOT/requirements/controller-next.txt
 NEXT=$ROOT/.cache/controller-next
 VENV=$NEXT/venv
 SUITE=trixie
-LOCK=${GPUFLOW_MOLECULE_LOCK:-/tmp/gpuflow-molecule.lock}
+LOCKS=${GPUFLOW_MOLECULE_LOCKS:-/tmp/gpuflow-molecule.locks}
 ALL_PARTS=(unit sanity molecule)
 
 say() { printf '[controller_next.sh] %s\n' "$*" >&2; }
@@ -70,7 +70,7 @@ inside() {
     case "$part" in
       unit)     python -m pytest -q -p no:cacheprovider tests/unit ;;
       sanity)   GPUFLOW_VENV=$VENV GPUFLOW_SANITY_WORK=$NEXT/sanity scripts/sanity.sh ;;
-      molecule) GPUFLOW_VENV=$VENV GPUFLOW_MOLECULE_LOCK=$LOCK scripts/molecule.sh default ;;
+      molecule) GPUFLOW_VENV=$VENV GPUFLOW_MOLECULE_LOCKS=$LOCKS scripts/molecule.sh default ;;
     esac
     rc=$?
     if [ $rc -eq 0 ]; then verdict=ok; else verdict="FAILED (rc=$rc)"; failed=1; fi
@@ -113,15 +113,15 @@ say "engine and images ready in $(fmt $((SECONDS - t0)))"
 socket=/var/run/docker.sock
 case "${DOCKER_HOST:-}" in unix://*) socket=${DOCKER_HOST#unix://} ;; esac
 docker_cli=$(command -v docker) || { say "no docker CLI on PATH"; exit 1; }
-# a missing file would be mounted as a new directory
-[ -e "$LOCK" ] || : >>"$LOCK"
+# made here, so that it is the calling user's and not a directory the engine creates as root
+mkdir -p "$LOCKS" || { say "cannot create the lock directory $LOCKS"; exit 1; }
 
 args=(--rm --init --network host
       --user "$(id -u):$(id -g)"
       -v "$ROOT:$ROOT" -w "$ROOT"
       -v "$socket:/var/run/docker.sock"
       -v "$docker_cli:/usr/local/bin/docker:ro"
-      -v "$LOCK:$LOCK"
+      -v "$LOCKS:$LOCKS"
       -e HOME="$NEXT/home" -e USER="$(id -un)" -e LOGNAME="$(id -un)"
       -e PYTHONDONTWRITEBYTECODE=1 -e PYTHONUNBUFFERED=1 -e PIP_DISABLE_PIP_VERSION_CHECK=1)
 [ "$(id -u)" -eq 0 ] || args+=(--group-add "$(stat -c %g "$socket")")

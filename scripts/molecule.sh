@@ -10,8 +10,9 @@
 # gpuflow/debian-systemd:<suite>), the collection link
 # .cache/collections/ansible_collections/gpuflow/eagle3 -> repo root.
 # Runs each scenario even when an earlier one failed; exits non-zero if any failed; prints
-# per-scenario wall time. Uses the venv at .venv (override: GPUFLOW_VENV). Holds a lock
-# (/tmp/gpuflow-molecule.lock) so that two runs on one machine take turns.
+# per-scenario wall time. Uses the venv at .venv (override: GPUFLOW_VENV). Holds one lock per
+# scenario (/tmp/gpuflow-molecule.locks/<scenario>.lock) while it runs, so that two runs of one
+# scenario take turns and different scenarios run side by side.
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -55,14 +56,11 @@ for s in "${scenarios[@]}"; do
   [ -f "molecule/$s/molecule.yml" ] || { say "no scenario molecule/$s"; exit 1; }
 done
 
-# One run at a time on this machine: container names are global to the engine, and two
-# runs of one scenario share molecule's ephemeral directory (one prunes it under the other).
-LOCK=${GPUFLOW_MOLECULE_LOCK:-/tmp/gpuflow-molecule.lock}
-exec 9>>"$LOCK"
-if ! flock -n 9; then
-  say "another scripts/molecule.sh run holds $LOCK; waiting for it"
-  flock 9
-fi
+# One run of a scenario at a time on this machine: two runs of one scenario share its container
+# names and molecule's ephemeral directory (one prunes it under the other). Scenarios differ in
+# both (each names its own containers and network), so they need not wait for each other.
+LOCKS=${GPUFLOW_MOLECULE_LOCKS:-/tmp/gpuflow-molecule.locks}
+mkdir -p "$LOCKS" || { say "cannot create the lock directory $LOCKS"; exit 1; }
 
 t0=$(date +%s)
 "$HERE/dockerd.sh" start || { say "docker engine unavailable"; exit 1; }
@@ -85,6 +83,11 @@ declare -a report
 failed=0
 for s in "${scenarios[@]}"; do
   say "=== molecule $ACTION -s $s ==="
+  exec 9>>"$LOCKS/$s.lock"
+  if ! flock -n 9; then
+    say "another scripts/molecule.sh run holds $LOCKS/$s.lock; waiting for it"
+    flock 9
+  fi
   start=$(date +%s)
   # molecule's step lines ("INFO [scenario > step] ...") carry the seconds since the scenario began
   molecule "$ACTION" -s "$s" 2>&1 | stamp_steps
@@ -99,6 +102,7 @@ for s in "${scenarios[@]}"; do
     # leave nothing running behind a failed test
     [ "$ACTION" = test ] && molecule destroy -s "$s" >/dev/null 2>&1
   fi
+  exec 9>&-
   IFS='|' read -r _ status took <<<"${report[-1]}"
   say "=== $s: $status in $took ==="
 done

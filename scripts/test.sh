@@ -12,7 +12,7 @@
 # - molecule splits in two: molecule-hosts, the scenarios without a vLLM server (default, gpu_fleet,
 #   pipeline_transfer), and molecule-vllm, those with one (pipeline, vllm_server, which mount the venvs).
 # - controller-next: the newest ansible-core on Python 3.13 in a trixie container (unit, sanity, molecule
-#   default; scripts/controller_next.sh), its molecule part taking turns with the others.
+#   default; scripts/controller_next.sh), its scenario taking turns with molecule-hosts' run of it.
 # A group a+b+c runs its phases at once: a in the foreground, the others in the background, at nice 10, with
 # their output kept in .cache/test-logs/<phase>.log and printed at the end. The next group starts when a ends;
 # background phases run on to the end of the run, so a later group must not need them (a group's background

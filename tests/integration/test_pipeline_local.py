@@ -206,6 +206,16 @@ def test_first_run_trains_evaluates_and_reports(first_run):
     assert first_run["handoff"]["state"] == "finished" and held and int(held.group(1)) >= 2048, detail
 
 
+def test_third_run_installs_each_venv_once_for_all_its_servers(first_run):
+    """Run 3 starts the extraction server and both evaluation servers, and extracts and trains: each venv's
+    install steps ran once, at the first entry; the roles' later entries in the run skipped them."""
+    out = first_run["finished"]
+    assert out.count("TASK [gpuflow.eagle3.vllm_server : Wait until /v1/models lists the served model]") == 3
+    assert out.count("TASK [gpuflow.eagle3.vllm_server : Read the installed vLLM version]") == 1
+    assert out.count("TASK [gpuflow.eagle3.hidden_state_extract : Read the installed speculators, hs-connectors and "
+                     "tiktoken versions]") == 1
+
+
 def test_report_renders_in_headless_chromium_with_its_figures(first_run, tmp_path):
     """The page as a person sees it: Chromium's screenshot is not blank and shows the figures."""
     pixels = screenshot(os.path.join(REPORT, "report.html"), tmp_path)

@@ -12,9 +12,9 @@ import testinfra
 
 WORK = "/var/lib/gpuflow"
 MOVES = [  # what, source, receiver, directory, top-level names that stay behind
-    ("dataset", "inference-1", "extract-1", WORK + "/synthetic_data/default", []),
-    ("hidden_states", "extract-1", "train-1", WORK + "/hidden_states/default", [".cache", "staging"]),
-    ("drafter", "train-1", "inference-1", WORK + "/train/default/drafter", []),
+    ("dataset", "xfer-inference-1", "xfer-extract-1", WORK + "/synthetic_data/default", []),
+    ("hidden_states", "xfer-extract-1", "xfer-train-1", WORK + "/hidden_states/default", [".cache", "staging"]),
+    ("drafter", "xfer-train-1", "xfer-inference-1", WORK + "/train/default/drafter", []),
 ]
 OWN_RECORDS = ("SHA256SUMS.json", "TRANSFER.json")
 
@@ -56,7 +56,7 @@ def test_transfer_record_names_the_source_and_its_record(what, source, receiver,
 
 
 def test_copy_that_differs_from_the_source_is_refused_and_replaces_nothing():
-    extract = container("extract-1")
+    extract = container("xfer-extract-1")
     refusal = extract.file(WORK + "/dataset-refused.txt").content_string
     assert "differs from" in refusal and "other sha256 ['rows.jsonl']" in refusal
     # the directory is the earlier verified copy, still without the file taken from it
@@ -69,19 +69,19 @@ def test_copy_that_differs_from_the_source_is_refused_and_replaces_nothing():
 
 def test_a_write_in_progress_stayed_behind():
     directory = WORK + "/train/default/drafter"
-    assert container("train-1").file(directory + "/sub/weights.tmp").exists
-    assert not container("inference-1").file(directory + "/sub").exists
+    assert container("xfer-train-1").file(directory + "/sub/weights.tmp").exists
+    assert not container("xfer-inference-1").file(directory + "/sub").exists
 
 
 def test_a_source_with_links_out_of_it_is_refused_and_the_copy_kept():
-    train = container("train-1")
+    train = container("xfer-train-1")
     refusal = train.file(WORK + "/hidden_states-refused.txt").content_string
     assert "regular files only" in refusal and "ckpt" in refusal and "hs/key" in refusal
     directory = WORK + "/hidden_states/default"
     # no link arrived, and the verified copy is still there (its files: test_every_file_arrived...)
     assert train.check_output("find %s -type l" % directory) == ""
     assert json.loads(train.file(directory + "/TRANSFER.json").content_string)["verified"] is True
-    listed = json.loads(container("extract-1").file(directory + "/SHA256SUMS.json").content_string)["files"]
+    listed = json.loads(container("xfer-extract-1").file(directory + "/SHA256SUMS.json").content_string)["files"]
     assert "hs/key" not in listed and "ckpt" not in listed
 
 
@@ -91,13 +91,13 @@ def test_no_private_staging_directory_is_left_on_the_controller():
 
 def test_side_effect_changes_were_moved_again():
     # the lost hidden-state file is back, the new drafter record reached the evaluating host
-    assert container("train-1").file(WORK + "/hidden_states/default/hs/hs_1.safetensors").exists
-    drafter = json.loads(container("inference-1").file(WORK + "/train/default/drafter/config.json").content_string)
+    assert container("xfer-train-1").file(WORK + "/hidden_states/default/hs/hs_1.safetensors").exists
+    drafter = json.loads(container("xfer-inference-1").file(WORK + "/train/default/drafter/config.json").content_string)
     assert drafter.get("run") == 2
 
 
-@pytest.mark.parametrize("name", ["inference-1", "extract-1", "train-1"])
+@pytest.mark.parametrize("name", ["xfer-inference-1", "xfer-extract-1", "xfer-train-1"])
 def test_no_archive_or_unverified_copy_is_left(name):
     left = container(name).check_output("find %s -name '*.transfer.tar' -o -name '*.incoming'" % WORK).split()
     # but the copy refused on purpose by the side effect
-    assert left == ([WORK + "/synthetic_data/default.incoming"] if name == "extract-1" else [])
+    assert left == ([WORK + "/synthetic_data/default.incoming"] if name == "xfer-extract-1" else [])
