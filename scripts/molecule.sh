@@ -42,6 +42,10 @@ export PATH="$VENV/bin:$PATH"
 unset _ANSIBLE_COVERAGE_CONFIG ANSIBLE_PYTHON_INTERPRETER ANSIBLE_CONFIG ANSIBLE_STDOUT_CALLBACK
 export ANSIBLE_COLLECTIONS_PATH="$ROOT/.cache/collections"
 export PY_COLORS=0 ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
+# community.docker waits 60 s for an answer from the engine by default; on a loaded 2-core machine removing a
+# container with a vLLM venv in its layer most likely took longer: the vllm_server scenario's destroy failed
+# with rc 2 on CI (its log kept no more)
+export DOCKER_TIMEOUT=${DOCKER_TIMEOUT:-600}
 
 if [ $# -gt 0 ]; then
   scenarios=("$@")

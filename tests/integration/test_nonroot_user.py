@@ -6,7 +6,7 @@ with that wheel through PIP_FIND_LINKS, the account builds both wheelhouses and 
 (`make wheelhouses preflight`: everything `make pipeline` does before its first stage). Nothing it writes lies
 outside its home, and in its home nothing outside the XDG directories, Ansible's ~/.ansible and the checkout copy.
 
-Needs root (useradd); skipped otherwise (make test runs as root). 5 to 21 minutes in make test on a 2-core
+Needs root (useradd); skipped otherwise (make test runs as root). 5 to 25 minutes in make test on a 2-core
 machine (its own phase, integration-nonroot), most of it pip resolving and downloading into the account's own cache:
 the bootstrap's venv and the two wheelhouses.
 """
@@ -14,6 +14,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,12 +38,17 @@ def remove_account():
         uid = pwd.getpwnam(ACCOUNT).pw_uid
     except KeyError:
         return
-    for pid in processes_of(uid):
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["userdel", "--remove", ACCOUNT], check=True, stderr=subprocess.DEVNULL)
+    # a process may fork while its siblings are killed: kill until none is left, or a while has passed
+    deadline = time.monotonic() + 30
+    while processes_of(uid) and time.monotonic() < deadline:
+        for pid in processes_of(uid):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    # --force: a killed process whose parent never reaps it stays a zombie of the account (exit status 8)
+    subprocess.run(["userdel", "--force", "--remove", ACCOUNT], check=True, stderr=subprocess.DEVNULL)
 
 
 def processes_of(uid):
@@ -86,8 +92,11 @@ def account():
         shutil.rmtree(wheels, ignore_errors=True)
 
 
-def as_account(acct, argv, given=None, timeout=900):
-    """Run argv in the checkout copy as the account, in a login-like environment plus `given`; (rc, output, s)."""
+def as_account(acct, argv, given=None, timeout=1800):
+    """Run argv in the checkout copy as the account, in a login-like environment plus `given`; (rc, output, s).
+
+    The timeout ends the whole session (make's pip children too). The bootstrap's downloads took over 900 s
+    once on CI's machine."""
     pw = acct["pw"]
     env = {"HOME": pw.pw_dir, "USER": ACCOUNT, "LOGNAME": ACCOUNT, "SHELL": "/bin/bash", "LANG": "C.UTF-8",
            "PATH": "/usr/local/bin:/usr/bin:/bin"}
@@ -95,10 +104,16 @@ def as_account(acct, argv, given=None, timeout=900):
     env.update((k, v) for k, v in os.environ.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy"))
     env.update(given or {})
     start = time.monotonic()
-    p = subprocess.run(argv, cwd=acct["checkout"], env=env, user=pw.pw_uid, group=pw.pw_gid, extra_groups=[],
-                       umask=0o022, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                       timeout=timeout, check=False)
-    return p.returncode, p.stdout, time.monotonic() - start
+    with subprocess.Popen(argv, cwd=acct["checkout"], env=env, user=pw.pw_uid, group=pw.pw_gid, extra_groups=[],
+                          umask=0o022, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                          start_new_session=True) as p:
+        try:
+            out = p.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+    return p.returncode, out, time.monotonic() - start
 
 
 def written_outside(acct):
