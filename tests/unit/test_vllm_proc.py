@@ -153,6 +153,18 @@ def victim(own_session=True):
             proc.wait()
 
 
+def log_text(path, timeout=30):
+    """The log once the server's first line is in it: the launcher returns as soon as the process runs, and a
+    loaded machine may take seconds to start its python."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(path) as f:
+            text = f.read()
+        if text.endswith("\n") or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
 def write_pidfile(path, record):
     with open(path, "w") as f:
         json.dump(record, f)
@@ -180,7 +192,7 @@ def test_start_records_the_identity_and_stop_ends_the_group(host):
     assert os.stat("/proc/%d" % pid).st_uid == ACCOUNT.pw_uid and os.getpgid(pid) == pid
     log = os.stat(os.path.join(host["log"], "x.log"))
     assert log.st_uid == 0 and log.st_mode & 0o777 == 0o640  # root keeps the log; the server writes through its fd
-    assert open(os.path.join(host["log"], "x.log")).read() == "server up\n"
+    assert log_text(os.path.join(host["log"], "x.log")) == "server up\n"
     assert helper("status", "--pidfile", os.path.join(host["run"], "x.pid"))[1] == \
         {"running": True, "pid": pid, "pids": [pid], "stale": None}
     assert start(host)[1] == {"changed": False, "pid": pid}  # a second start finds it
