@@ -40,10 +40,10 @@ def remove_account():
         return
     # a process may fork while its siblings are killed: kill until none is left, or a while has passed
     deadline = time.monotonic() + 30
-    while processes_of(uid) and time.monotonic() < deadline:
-        for pid in processes_of(uid):
+    while (pids := processes_of(uid)) and time.monotonic() < deadline:
+        for pid in pids:
             try:
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         time.sleep(0.2)
