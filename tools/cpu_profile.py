@@ -37,8 +37,8 @@ ACCT_V3 = struct.Struct("<BBHIIIIIIf8H16s")
 AHZ = 100  # comp_t times are in 1/AHZ seconds
 KINDS = (  # first match on a command line (or a process name) names the kind
     ("vllm", r"vllm\.entrypoints|vllm serve|VLLM::|multiprocessing\.spawn.*venvs?/vllm|/vllm[^ ]*/bin/python -c"),
-    ("training", r"gpuflow_train_launch|speculators\.train|torch\.distributed"),
-    ("extraction", r"gpuflow_extract|hidden_states? --|gpuflow_hs_"),
+    ("training", r"gpuflow_train_launch|e3_train\.py|speculators\.train|torch\.distributed"),
+    ("extraction", r"hs_extract\.py"),
     ("ansible controller and workers", r"ansible-playbook|^ansible-playboo$"),
     ("ansible module", r"AnsiballZ|^/bin/sh -c .*python3? && sleep 0|^/\S*python3?(\.\d+)?$"),
     ("pip", r"\bpip\b"),
@@ -85,6 +85,7 @@ def read_text(path, mode="r"):
 
 
 def sample_once(procs, boot, tick):
+    now = time.time()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -103,7 +104,7 @@ def sample_once(procs, boot, tick):
                           "comm": stat[stat.find("(") + 1:stat.rfind(")")],
                           "cmd": (read_text("/proc/%s/cmdline" % name) or "").replace("\0", " ").strip()[:400],
                           "test": test, "container": container.group(1) if container else None}
-        procs[key]["last"] = time.time()
+        procs[key]["last"] = now
 
 
 def container_names():
@@ -125,11 +126,12 @@ def record(out, command):
     with open("/proc/stat") as f:
         boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
     procs, names, done = {}, {}, threading.Event()
+    tick = os.sysconf("SC_CLK_TCK")
 
     def sampler():
         last_names = 0.0
         while not done.wait(1.0):
-            sample_once(procs, boot, os.sysconf("SC_CLK_TCK"))
+            sample_once(procs, boot, tick)
             if time.time() - last_names > 20:
                 last_names = time.time()
                 names.update(container_names())
@@ -204,8 +206,9 @@ def attribute(records, samples):
 
 
 def report(out, top):
-    records = list(attribute(read_pacct(os.path.join(out, "pacct")),
-                             Samples(json.loads(line) for line in open(os.path.join(out, "procs.jsonl")))))
+    with open(os.path.join(out, "procs.jsonl")) as f:
+        samples = Samples(json.loads(line) for line in f)
+    records = list(attribute(read_pacct(os.path.join(out, "pacct")), samples))
     total = sum(r["cpu"] for r in records)
     busy = read_text(os.path.join(out, "busy.json"))
     if busy:
