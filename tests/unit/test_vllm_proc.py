@@ -94,9 +94,8 @@ def host():
          "secret": os.path.join(base, "secret"), "started": []}
     try:
         os.chmod(base, 0o755)  # the account must reach its home; /tmp itself is sticky, so this stays root's
-        for d in ("etc", "run", "log"):
-            assert helper("mkdir", "--path", h[d], "--mode", "0750", "--owner", "root", "--group", ACCOUNT_GROUP,
-                          "--trusted")[0] == 0
+        assert helper("mkdir", *("--path=" + h[d] for d in ("etc", "run", "log")), "--mode", "0750", "--owner", "root",
+                      "--group", ACCOUNT_GROUP, "--trusted") == (0, {"changed": True, "paths": [h["etc"], h["run"], h["log"]]})
         assert helper("mkdir", "--path", h["home"], "--mode", "0750", "--owner", ACCOUNT.pw_name,
                       "--group", ACCOUNT_GROUP)[0] == 0
         os.mkdir(h["secret"], 0o700)
@@ -365,7 +364,7 @@ def test_mkdir_creates_the_accounts_directories_and_follows_root_symlinks_in_roo
         assert owner_mode(d)[:2] == (ACCOUNT.pw_uid, ACCOUNT.pw_gid) and owner_mode(d)[2] & 0o7777 == 0o750
     assert owner_mode(real)[0] == 0
     assert helper("mkdir", "--path", path, "--mode", "0750", "--owner", ACCOUNT.pw_name,
-                  "--group", ACCOUNT_GROUP) == (0, {"changed": False, "path": path})
+                  "--group", ACCOUNT_GROUP) == (0, {"changed": False, "paths": []})
 
 
 @as_root
@@ -383,6 +382,16 @@ def test_mkdir_trusted_refuses_a_directory_inside_the_accounts_home_before_creat
     rc, res = helper("mkdir", "--path", path, "--mode", "0750", "--owner", "root", "--group", ACCOUNT_GROUP, "--trusted")
     assert rc == 1 and "is not root's" in res["msg"] and host["home"] in res["msg"], res
     assert not os.path.exists(path)
+
+
+@as_root
+def test_mkdir_stops_at_the_first_refused_directory_of_a_call(host):
+    first, refused, after = (os.path.join(host["etc"], "a"), os.path.join(host["home"], "run"),
+                             os.path.join(host["etc"], "b"))
+    rc, res = helper("mkdir", "--path", first, "--path", refused, "--path", after, "--mode", "0750", "--owner", "root",
+                     "--group", ACCOUNT_GROUP, "--trusted")
+    assert rc == 1 and "is not root's" in res["msg"] and host["home"] in res["msg"], res
+    assert os.path.isdir(first) and not os.path.exists(refused) and not os.path.exists(after)
 
 
 # --- the environment file and the API key ----------------------------------------------------------------------

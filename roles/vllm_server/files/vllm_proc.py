@@ -16,11 +16,11 @@ Subcommands print one JSON object on stdout and exit 0 unless stated; a refusal 
   pids    [--unit U] [--pidfile F]
           the processes of unit U (cgroup membership survives re-parenting) or of the server's
           process group: {"pids": [...], "stale"}.
-  mkdir   --path D --mode M [--owner U] [--group G] [--trusted]
-          create directory D (and missing parents) with that owner, group and mode, walking from /
-          without following a symlink the service account could have planted. --trusted: D is
-          root's, so it and every directory above it must be changeable only by root or this user.
-          {"changed", "path"}.
+  mkdir   --path D [--path D ...] --mode M [--owner U] [--group G] [--trusted]
+          create each directory D in turn (and missing parents) with that owner, group and mode, walking
+          from / without following a symlink the service account could have planted. --trusted: each D
+          is root's, so it and every directory above it must be changeable only by root or this user.
+          The first refusal stops the rest. {"changed", "paths": the directories created or changed}.
   start   --argv-file A --env-file E --log L --pidfile F [--user U] [--group G] [--cwd D]
           (no-systemd hosts) start argv from A detached: new session (pgid == pid), environment
           from E (as vllm.env.j2 writes it), stdout+stderr appended to L. The pid file records the
@@ -248,17 +248,20 @@ def cmd_mkdir(a):
             changed = True
         return changed
 
-    d = walk_to_dir(a.path, settle, trusted_only=a.trusted)
-    try:
-        st = os.fstat(d.fd)
-        if not d.created and not d.parent_trusted and uid != -1 and st.st_uid != uid:
-            # the service account may have moved someone else's directory here: do not hand it over
-            raise Refused("%s exists, owned by uid %d, in a directory another user can change: not taking it over"
-                          % (a.path, st.st_uid))
-        changed = d.created or settle(d.fd)
-    finally:
-        os.close(d.fd)
-    out({"changed": changed, "path": a.path})
+    changed = []
+    for path in a.path:  # one call for every directory: each module run costs a Python start on the host
+        d = walk_to_dir(path, settle, trusted_only=a.trusted)
+        try:
+            st = os.fstat(d.fd)
+            if not d.created and not d.parent_trusted and uid != -1 and st.st_uid != uid:
+                # the service account may have moved someone else's directory here: do not hand it over
+                raise Refused("%s exists, owned by uid %d, in a directory another user can change: not taking it over"
+                              % (path, st.st_uid))
+            if d.created or settle(d.fd):
+                changed.append(path)
+        finally:
+            os.close(d.fd)
+    out({"changed": bool(changed), "paths": changed})
 
 
 # --- the pid file ------------------------------------------------------------------------------
@@ -593,7 +596,7 @@ def main():
     s.add_argument("--unit")
     s.add_argument("--pidfile")
     s = sub.add_parser("mkdir")
-    s.add_argument("--path", required=True)
+    s.add_argument("--path", required=True, action="append")
     s.add_argument("--mode", required=True)
     s.add_argument("--owner")
     s.add_argument("--group")
