@@ -11,7 +11,7 @@ record (root, CAP_SYS_PACCT): turns Linux process accounting on into OUT/pacct f
 samples every process once a second into OUT/procs.jsonl: its command line, parent, start, the pytest
 test in its environment (PYTEST_CURRENT_TEST) and its container (from its cgroup; names from `docker
 ps`). OUT/busy.json holds the machine's busy CPU seconds over the run (/proc/stat). The command's exit
-status is record's. A process shorter than a second is not sampled; accounting still counts its CPU,
+status is record's; its environment has GPUFLOW_CPU_PROFILE_OUT=OUT (a test that calls acct(2) skips then). A process shorter than a second is not sampled; accounting still counts its CPU,
 which goes to its nearest sampled parent.
 
 report: CPU seconds by kind of program, by pytest test, by container, the dearest processes, and what
@@ -35,6 +35,7 @@ import time
 # utime, stime, mem, io, rw, minflt, majflt, swaps (comp_t), comm[16]
 ACCT_V3 = struct.Struct("<BBHIIIIIIf8H16s")
 AHZ = 100  # comp_t times are in 1/AHZ seconds
+RECORDING_ENV = "GPUFLOW_CPU_PROFILE_OUT"  # set for the recorded command: OUT
 KINDS = (  # first match on a command line (or a process name) names the kind
     ("vllm", r"vllm\.entrypoints|vllm serve|VLLM::|multiprocessing\.spawn.*venvs?/vllm|/vllm[^ ]*/bin/python -c"),
     ("training", r"gpuflow_train_launch|e3_train\.py|speculators\.train|torch\.distributed"),
@@ -140,7 +141,8 @@ def record(out, command):
     busy0, wall0 = busy_seconds(), time.time()
     thread.start()
     try:
-        status = subprocess.run(command, check=False).returncode
+        # the command learns that it is recorded: acct(2) inside it would end this recording (one file per system)
+        status = subprocess.run(command, check=False, env=dict(os.environ, **{RECORDING_ENV: out})).returncode
     finally:
         done.set()
         thread.join()

@@ -71,14 +71,18 @@ def accounting_allowed(tmp_path):
 
 
 def test_record_counts_a_real_process_cpu_under_its_name(tmp_path):
+    if os.environ.get(cpu_profile.RECORDING_ENV):
+        pytest.skip("this run is being recorded: acct(2) here would end that recording")
     (tmp_path / "probe").touch()
     if not accounting_allowed(tmp_path):
         pytest.skip("process accounting is not allowed here (it needs CAP_SYS_PACCT)")
     out = tmp_path / "profile"
-    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n"
+    # a second of CPU, half of it required: accounting counts clock ticks, which a loaded machine under-samples
+    # (0.38 s recorded for a 0.5 s burn beside the suite's other phases)
+    burn = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\n"
     run = subprocess.run([sys.executable, os.path.join(REPO, "tools", "cpu_profile.py"), "record", str(out), "--",
                           sys.executable, "-c", burn], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     records = cpu_profile.read_pacct(str(out / "pacct"))
-    assert max(r["cpu"] for r in records if r["comm"].startswith("python")) >= 0.4
+    assert max(r["cpu"] for r in records if r["comm"].startswith("python")) >= 0.5
     assert json.loads((out / "busy.json").read_text())["busy_cpu_s"] >= 0.4
