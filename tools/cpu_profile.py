@@ -11,8 +11,9 @@ record (root, CAP_SYS_PACCT): turns Linux process accounting on into OUT/pacct f
 samples every process once a second into OUT/procs.jsonl: its command line, parent, start, the pytest
 test in its environment (PYTEST_CURRENT_TEST) and its container (from its cgroup; names from `docker
 ps`). OUT/busy.json holds the machine's busy CPU seconds over the run (/proc/stat). The command's exit
-status is record's; its environment has GPUFLOW_CPU_PROFILE_OUT=OUT (a test that calls acct(2) skips then). A process shorter than a second is not sampled; accounting still counts its CPU,
-which goes to its nearest sampled parent.
+status is record's; its environment has GPUFLOW_CPU_PROFILE_OUT=OUT (a test that calls acct(2) skips
+then). A process shorter than a second is not sampled; accounting still counts its CPU, which goes to
+its nearest sampled parent.
 
 report: CPU seconds by kind of program, by pytest test, by container, the dearest processes, and what
 Ansible's tasks cost: worker forks of ansible-playbook, and module runs (a bare interpreter reading
