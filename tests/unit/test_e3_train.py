@@ -189,3 +189,62 @@ def test_a_killed_online_run_is_counted_by_the_next_from_what_it_kept(tmp_path):
     job.fold_killed_run()  # nothing kept, nothing added
     with open(os.path.join(job.dir, "online.jsonl")) as f:
         assert len(f.readlines()) == 1
+
+
+LAUNCHER = os.path.join(os.path.dirname(SCRIPT), "gpuflow_train_launch.py")
+launcher_spec = importlib.util.spec_from_file_location("gpuflow_train_launch", LAUNCHER)
+L = importlib.util.module_from_spec(launcher_spec)
+launcher_spec.loader.exec_module(L)
+
+
+def test_the_launcher_loads_the_last_save_path_given(tmp_path):
+    # the dry run appends its own --save-path to the training's arguments, and speculators takes the last
+    assert L.save_path(["--save-path", "/train/checkpoints", "--epochs", "1", "--save-path", "/dry/checkpoint"]) \
+        == "/dry/checkpoint"
+    assert L.save_path(["--save-path=/only"]) == "/only"
+    with pytest.raises(SystemExit):
+        L.save_path(["--epochs", "1"])
+
+
+def test_the_launcher_writes_a_failed_load_with_its_error(tmp_path):
+    result = tmp_path / "loaded.json"
+    L.load_after(str(result), str(tmp_path / "no-checkpoint"), str(tmp_path / "no-verifier"))
+    loaded = json.loads(result.read_text())
+    assert loaded["ok"] is False and loaded["error"]
+
+
+def fake_dryrun_launcher(tmp_path, loaded):
+    """A launcher that saves a dry-run checkpoint's config and reports the load result given (None: none)."""
+    fake = tmp_path / "fake_launch.py"
+    fake.write_text(
+        "import json, os, sys\n"
+        "args = sys.argv[1:]\n"
+        "ckpt = args[len(args) - 1 - args[::-1].index('--save-path') + 1]\n"
+        "os.makedirs(ckpt)\n"
+        "json.dump({'eagle_aux_hidden_state_layer_ids': [1, 2, 3]}, open(os.path.join(ckpt, 'config.json'), 'w'))\n"
+        "loaded = %r\n"
+        "if loaded is not None:\n"
+        "    json.dump(loaded, open(args[args.index('--load-after') + 1], 'w'))\n" % (loaded,))
+    return str(fake)
+
+
+@pytest.mark.parametrize("loaded, error", [
+    ({"ok": False, "error": "OSError: no weights"}, "does not load: OSError: no weights"),
+    (None, "does not load: the dry run wrote no load result"),
+])
+def test_a_dry_run_whose_checkpoint_did_not_load_is_refused(tmp_path, monkeypatch, capsys, loaded, error):
+    monkeypatch.setattr(E, "LAUNCHER", fake_dryrun_launcher(tmp_path, loaded))
+    a = argparse.Namespace(out=str(tmp_path / "out"), fingerprint="f", verifier="/model", layer_ids=[1, 2, 3],
+                           draft_vocab_size=0, train_args=["--save-path", str(tmp_path / "out" / "checkpoints")])
+    E.cmd_dryrun(a)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ok"] is False and any(p.startswith(error) for p in result["problems"]), result
+
+
+def test_a_dry_run_whose_checkpoint_loaded_passes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(E, "LAUNCHER", fake_dryrun_launcher(tmp_path, {"ok": True, "class": "Eagle3DraftModel"}))
+    a = argparse.Namespace(out=str(tmp_path / "out"), fingerprint="f", verifier="/model", layer_ids=[1, 2, 3],
+                           draft_vocab_size=0, train_args=[])
+    E.cmd_dryrun(a)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ok"] is True and result["loaded"]["class"] == "Eagle3DraftModel", result

@@ -9,7 +9,7 @@ Runs with the speculators venv's python, around `torchrun ... gpuflow_train_laun
            sequence length against what was extracted, the token frequency file when a
            draft vocabulary is set, existing checkpoints made from other inputs.
            Prints {"problems": [...], ...}; exit 0 either way.
-  dryrun   `--dry-run` into dryrun/checkpoint, then loads it with speculators (config,
+  dryrun   `--dry-run` into dryrun/checkpoint, then loads it with speculators in that process (config,
            weights, verifier heads): minutes, before hours are spent. Skipped when
            dryrun/DRYRUN.json holds the same fingerprint.
   run      the training job of one node: torchrun with one process per GPU (or CPU
@@ -154,10 +154,7 @@ def unfinished_saves(events):
 
 def load_check(python, path, verifier):
     """Load a checkpoint with speculators, in a child process (it reads the verifier's heads)."""
-    code = ("import json, sys; from speculators import SpeculatorModel\n"
-            "m = SpeculatorModel.from_pretrained(sys.argv[1], verifier=sys.argv[2])\n"
-            "print(json.dumps({'class': type(m).__name__, 'parameters': sum(p.numel() for p in m.parameters())}))")
-    p = subprocess.run([python, "-c", code, path, verifier], capture_output=True, text=True, check=False)
+    p = subprocess.run([python, LAUNCHER, "--load-check", path, verifier], capture_output=True, text=True, check=False)
     if p.returncode != 0:
         return {"ok": False, "error": (p.stderr.strip().splitlines() or ["rc %d" % p.returncode])[-1]}
     return dict(json.loads(p.stdout.strip().splitlines()[-1]), ok=True)
@@ -260,8 +257,10 @@ def cmd_dryrun(a):
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     ckpt = os.path.join(d, "checkpoint")
-    argv = [sys.executable, LAUNCHER, "--events", os.path.join(d, "events.jsonl"), "--node-rank", "0"] \
-        + a.train_args + ["--dry-run", "--save-path", ckpt]
+    loaded_file = os.path.join(d, "loaded.json")
+    # the launcher loads what it saved, in the process that has speculators imported already
+    argv = [sys.executable, LAUNCHER, "--events", os.path.join(d, "events.jsonl"), "--node-rank", "0",
+            "--load-after", loaded_file, a.verifier] + a.train_args + ["--dry-run", "--save-path", ckpt]
     t0 = time.time()
     with open(os.path.join(d, "dryrun.log"), "ab") as log:
         rc = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -270,7 +269,7 @@ def cmd_dryrun(a):
         result.update(ok=False, error="speculators train --dry-run failed (rc %d); see %s/dryrun.log" % (rc, d))
     else:
         cfg = read_json(os.path.join(ckpt, "config.json"), {})
-        loaded = load_check(sys.executable, ckpt, a.verifier)
+        loaded = read_json(loaded_file) or {"ok": False, "error": "the dry run wrote no load result (%s)" % loaded_file}
         problems = []
         if cfg.get("eagle_aux_hidden_state_layer_ids") != a.layer_ids:
             problems.append("aux layer ids %s, expected %s" % (cfg.get("eagle_aux_hidden_state_layer_ids"), a.layer_ids))

@@ -2,7 +2,14 @@
 
 torchrun starts this file instead of `-m speculators.train`:
 
-  torchrun ... gpuflow_train_launch.py --events FILE --node-rank N <speculators train arguments>
+  torchrun ... gpuflow_train_launch.py --events FILE --node-rank N [--load-after RESULT VERIFIER] <speculators train arguments>
+  gpuflow_train_launch.py --load-check CHECKPOINT VERIFIER
+
+The second form loads a checkpoint with speculators, as vLLM will serve it beside its verifier, and prints
+{"class", "parameters"} as JSON. --load-after does the same, after training, for the checkpoint at
+--save-path and writes the result (with "ok", or "ok": false and "error") to RESULT: the dry run checks
+what it saved in the process that has speculators imported already (a second process costs a
+torch + speculators import, about 9 CPU-s on a 2-core machine).
 
 1. Events: every metric record speculators logs (train steps, validation) goes to FILE as
    one JSON line, exact values, rank 0 only; so do the start of each epoch (with the steps
@@ -142,10 +149,49 @@ def end_with_parent():
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def load_summary(checkpoint, verifier):
+    """The checkpoint loaded by speculators with its verifier: its class and parameter count."""
+    from speculators import SpeculatorModel
+    model = SpeculatorModel.from_pretrained(checkpoint, verifier=verifier)
+    return {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def load_after(result_path, checkpoint, verifier):
+    """load_summary into RESULT, a failure included."""
+    try:
+        result = dict(load_summary(checkpoint, verifier), ok=True)
+    except Exception as e:  # pylint: disable=broad-exception-caught  # any failure to load is the answer
+        result = {"ok": False, "error": ("%s: %s" % (type(e).__name__, e)).strip().splitlines()[-1]}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+def save_path(args):
+    """The --save-path speculators uses: the last one given, as its argument parser takes."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == "--save-path" and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith("--save-path="):
+            found = arg.split("=", 1)[1]
+    if found is None:
+        raise SystemExit("--load-after needs --save-path among the speculators train arguments")
+    return found
+
+
 def main(argv):
+    if len(argv) == 3 and argv[0] == "--load-check":
+        print(json.dumps(load_summary(argv[1], argv[2])))
+        return
     if len(argv) < 4 or argv[0] != "--events" or argv[2] != "--node-rank":
-        raise SystemExit("usage: gpuflow_train_launch.py --events FILE --node-rank N <speculators train arguments>")
+        raise SystemExit("usage: gpuflow_train_launch.py --events FILE --node-rank N [--load-after RESULT VERIFIER] "
+                         "<speculators train arguments> | --load-check CHECKPOINT VERIFIER")
     events, args = argv[1], argv[4:]  # the node rank only marks the process: whose trainer it is
+    load = None
+    if args[:1] == ["--load-after"]:
+        if len(args) < 3:
+            raise SystemExit("--load-after RESULT VERIFIER")
+        load, args = (args[1], save_path(args[3:]), args[2]), args[3:]
     end_with_parent()
     import torch
     install_events(events)
@@ -155,6 +201,8 @@ def main(argv):
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
     train_main(TrainConfig.resolve(args))
+    if load and rank_zero():
+        load_after(*load)
 
 
 if __name__ == "__main__":
