@@ -24,11 +24,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 from pipeline_local import git_commit
-from pipelining_local import children_cpu, playbook
+from pipelining_local import children_cpu, side_by_side
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIREMENTS = os.path.join(REPO, "requirements", "controller.txt")
@@ -90,16 +89,9 @@ def main():
         ap.error("both are %s" % builds[0]["executable"])
     venvs = [controller_venv(b) for b in builds]
     module_tasks = a.tasks + a.command_tasks
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="gpuflow-bench-") as workdir:
-        play = os.path.join(workdir, "play.yml")
-        with open(play, "w") as f:
-            f.write(playbook(a.tasks, a.command_tasks))
-        for r in range(a.rounds):
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                runs.append(dict(run(play, workdir, venvs[i]), python=builds[i]["executable"], round=r))
-                print("round %d %-40s cpu %6.2f s  wall %6.2f s"
-                      % (r, builds[i]["executable"], runs[-1]["cpu_s"], runs[-1]["wall_s"]), flush=True)
+    runs = side_by_side(a, (0, 1), lambda play, workdir, i: dict(run(play, workdir, venvs[i]),
+                                                                  python=builds[i]["executable"]),
+                        lambda i: "%-40s" % builds[i]["executable"])
 
     def median(key, i):
         return statistics.median(x[key] for x in runs if x["python"] == builds[i]["executable"])

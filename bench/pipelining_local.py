@@ -58,6 +58,22 @@ def run(play, workdir, pipelined):
     return {"pipelined": pipelined, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
 
 
+def side_by_side(a, choices, run_one, label):
+    """The playbook of a.tasks and a.command_tasks run a.rounds times with each of two choices, alternating
+    which goes first: run_one(play, workdir, choice) gives a run's record, label(choice) names it."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="gpuflow-bench-") as workdir:
+        play = os.path.join(workdir, "play.yml")
+        with open(play, "w") as f:
+            f.write(playbook(a.tasks, a.command_tasks))
+        for r in range(a.rounds):
+            for choice in (choices if r % 2 == 0 else choices[::-1]):
+                runs.append(dict(run_one(play, workdir, choice), round=r))
+                print("round %d %s cpu %6.2f s  wall %6.2f s"
+                      % (r, label(choice), runs[-1]["cpu_s"], runs[-1]["wall_s"]), flush=True)
+    return runs
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -66,16 +82,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pipelining_local.json"))
     a = ap.parse_args()
     module_tasks = a.tasks + a.command_tasks
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="gpuflow-bench-") as workdir:
-        play = os.path.join(workdir, "play.yml")
-        with open(play, "w") as f:
-            f.write(playbook(a.tasks, a.command_tasks))
-        for r in range(a.rounds):
-            for pipelined in ((True, False) if r % 2 == 0 else (False, True)):
-                runs.append(dict(run(play, workdir, pipelined), round=r))
-                print("round %d pipelining %-5s cpu %6.2f s  wall %6.2f s"
-                      % (r, pipelined, runs[-1]["cpu_s"], runs[-1]["wall_s"]), flush=True)
+    runs = side_by_side(a, (True, False), run, lambda pipelined: "pipelining %-5s" % pipelined)
 
     def median(key, pipelined):
         return statistics.median(x[key] for x in runs if x["pipelined"] is pipelined)
