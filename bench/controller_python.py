@@ -12,7 +12,7 @@ interpreter, as `make test` runs the tests that use `.venv`. Rounds alternate wh
 
 Writes bench/results/controller_python.json: summary{cpu_ratio (the first's CPU over the second's),
 cpu_s_first, cpu_s_second, cpu_s_per_module_task_first, cpu_s_per_module_task_second, wall_s_first,
-wall_s_second, module_tasks}, each interpreter's version and build flags, and every run.
+wall_s_second, module_tasks}, each interpreter's version and configure arguments, and every run.
 """
 import argparse
 import datetime
@@ -31,13 +31,14 @@ from pipelining_local import children_cpu, side_by_side
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIREMENTS = os.path.join(REPO, "requirements", "controller.txt")
-BUILD = ("import json, sys, sysconfig; args = sysconfig.get_config_var('CONFIG_ARGS') or ''; "
-         "print(json.dumps({'executable': sys.executable, 'version': sys.version.split()[0], "
-         "'pgo': '--enable-optimizations' in args, 'lto': '--with-lto' in args}))")
+# how it was built: Debian keeps its PGO and LTO flags out of sysconfig (python3.11's changelog.Debian), so the
+# configure arguments say something only of a build from source, such as pyenv's
+BUILD = ("import json, sys, sysconfig; print(json.dumps({'executable': sys.executable, 'version': sys.version.split()[0], "
+         "'config_args': sysconfig.get_config_var('CONFIG_ARGS') or ''}))")
 
 
 def interpreter(python):
-    """The interpreter's real path, version and whether it was built with PGO and LTO."""
+    """The interpreter's path, version and configure arguments."""
     found = shutil.which(python)
     if not found:
         raise SystemExit("no interpreter %s" % python)
