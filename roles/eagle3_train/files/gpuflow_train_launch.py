@@ -6,10 +6,10 @@ torchrun starts this file instead of `-m speculators.train`:
   gpuflow_train_launch.py --load-check CHECKPOINT VERIFIER
 
 The second form loads a checkpoint with speculators, as vLLM will serve it beside its verifier, and prints
-{"class", "parameters"} as JSON. --load-after does the same, after training, for the checkpoint at
---save-path and writes the result (with "ok", or "ok": false and "error") to RESULT: the dry run checks
-what it saved in the process that has speculators imported already (a second process costs a
-torch + speculators import, about 9 CPU-s on a 2-core machine).
+{"class", "parameters"} as JSON. --load-after, for a dry run (`--dry-run` saves the initialised checkpoint
+at --save-path), does the same once speculators returns and writes the result (with "ok", or "ok": false
+and "error") to RESULT: the dry run checks what it saved in the process that has speculators imported
+already (a second process costs a torch + speculators import, about 9 CPU-s on a 2-core machine).
 
 1. Events: every metric record speculators logs (train steps, validation) goes to FILE as
    one JSON line, exact values, rank 0 only; so do the start of each epoch (with the steps
