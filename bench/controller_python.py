@@ -90,9 +90,11 @@ def main():
         ap.error("both are %s" % builds[0]["executable"])
     venvs = [controller_venv(b) for b in builds]
     module_tasks = a.tasks + a.command_tasks
-    runs = side_by_side(a, (0, 1), lambda play, workdir, i: dict(run(play, workdir, venvs[i]),
-                                                                  python=builds[i]["executable"]),
-                        lambda i: "%-40s" % builds[i]["executable"])
+
+    def run_on(play, workdir, i):
+        return dict(run(play, workdir, venvs[i]), python=builds[i]["executable"])
+
+    runs = side_by_side(a, (0, 1), run_on, lambda i: "%-40s" % builds[i]["executable"])
 
     def median(key, i):
         return statistics.median(x[key] for x in runs if x["python"] == builds[i]["executable"])
