@@ -24,7 +24,7 @@ if [[ ! -x "$VENV/bin/python" || "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]]; 
     echo "bootstrap: installing requirements/test.txt into $VENV (on $("$PYTHON" -c 'import sys; print(sys.executable)'))"
     # --clear: a venv made on another Python keeps that Python's links and site-packages otherwise
     "$PYTHON" -m venv --clear "$VENV"
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check -r requirements/test.txt
+    scripts/pip_install_controller.sh "$VENV" requirements/test.txt
     echo "$wanted" > "$STAMP"
 fi
 

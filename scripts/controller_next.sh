@@ -52,7 +52,7 @@ inside() {
     say "creating $VENV from requirements/controller-next.txt"
     rm -rf "$VENV"
     if ! { python3 -m venv "$VENV" &&
-           "$VENV/bin/pip" install --quiet --disable-pip-version-check -r "$REQUIREMENTS"; }; then
+           "$HERE/pip_install_controller.sh" "$VENV" "$REQUIREMENTS"; }; then
       say "venv creation failed"; rm -rf "$VENV"; return 1
     fi
     echo "$wanted" >"$VENV/.requirements.sha256"

@@ -37,8 +37,7 @@ def controller_venv():
         wanted = f.read()
     if not os.path.exists(stamp) or open(stamp).read() != wanted:
         subprocess.run(["/usr/bin/python3", "-m", "venv", "--clear", venv], check=True)
-        subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "--disable-pip-version-check", "-r", req],
-                       check=True)
+        subprocess.run([os.path.join(REPO, "scripts", "pip_install_controller.sh"), venv, req], check=True)
         with open(stamp, "w") as f:
             f.write(wanted)
     return os.path.join(venv, "bin", "ansible-playbook")
