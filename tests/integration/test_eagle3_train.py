@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from extract_env import SAMPLES, SPEC_VENV, inventory, stop_leftovers
-from vllm_localhost import free_port, run_playbook
+from vllm_localhost import TRAINER_ENV, free_port, run_playbook
 
 pytestmark = [pytest.mark.slow, pytest.mark.venvs]
 # A step takes seconds on this CPU (7 steps an epoch here), so each run has the fewest epochs its proof needs:
@@ -53,6 +53,7 @@ def env(extraction):
         "eagle3_train_stop_timeout": 60,
         "eagle3_train_gpu_backend": "simulated",
         "eagle3_train_gpu_sim_state_dir": info["sim"],
+        "eagle3_train_env": TRAINER_ENV,
     }
     yield info
     for pid in trainers(info):

@@ -15,14 +15,15 @@ VENV = os.path.join(CACHE, "venvs", "vllm")
 PLAYBOOK_BIN = os.path.join(REPO, ".venv", "bin", "ansible-playbook")
 
 
-def local_default_server_env():
-    """vllm_server_env of the local default (inventories/local): its KV cache size and thread settings."""
+def local_default(variable):
+    """A variable of the local default (inventories/local), as its group_vars set it."""
     with open(os.path.join(REPO, "inventories", "local", "group_vars", "all.yml")) as f:
-        return yaml.safe_load(f)["vllm_server_env"]
+        return yaml.safe_load(f)[variable]
 
 
-# the tests' own servers run as the local default's do
-SERVER_ENV = local_default_server_env()
+# the tests' own servers and trainers run as the local default's do: its KV cache size and thread settings
+SERVER_ENV = local_default("vllm_server_env")
+TRAINER_ENV = local_default("eagle3_train_env")
 
 
 def free_port():
