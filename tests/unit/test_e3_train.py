@@ -11,9 +11,11 @@ import time
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "roles", "eagle3_train", "files", "e3_train.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))  # the driver imports the launcher beside it, as on a host's lib dir
 spec = importlib.util.spec_from_file_location("e3_train", SCRIPT)
 E = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(E)
+L = sys.modules["gpuflow_train_launch"]
 
 
 def write_safetensors(path, payload=16, cut=0):
@@ -191,26 +193,32 @@ def test_a_killed_online_run_is_counted_by_the_next_from_what_it_kept(tmp_path):
         assert len(f.readlines()) == 1
 
 
-LAUNCHER = os.path.join(os.path.dirname(SCRIPT), "gpuflow_train_launch.py")
-launcher_spec = importlib.util.spec_from_file_location("gpuflow_train_launch", LAUNCHER)
-L = importlib.util.module_from_spec(launcher_spec)
-launcher_spec.loader.exec_module(L)
-
-
-def test_the_launcher_loads_the_last_save_path_given(tmp_path):
+def test_the_launcher_takes_the_last_value_given(tmp_path):
     # the dry run appends its own --save-path to the training's arguments, and speculators takes the last
-    assert L.save_path(["--save-path", "/train/checkpoints", "--epochs", "1", "--save-path", "/dry/checkpoint"]) \
-        == "/dry/checkpoint"
-    assert L.save_path(["--save-path=/only"]) == "/only"
+    assert L.last_value(["--save-path", "/train/checkpoints", "--epochs", "1", "--save-path", "/dry/checkpoint"],
+                        "--save-path") == "/dry/checkpoint"
+    assert L.last_value(["--save-path=/only"], "--save-path") == "/only"
     with pytest.raises(SystemExit):
-        L.save_path(["--epochs", "1"])
+        L.last_value(["--epochs", "1"], "--save-path")
 
 
 def test_the_launcher_writes_a_failed_load_with_its_error(tmp_path):
     result = tmp_path / "loaded.json"
     L.load_after(str(result), str(tmp_path / "no-checkpoint"), str(tmp_path / "no-verifier"))
     loaded = json.loads(result.read_text())
-    assert loaded["ok"] is False and loaded["error"]
+    assert loaded["ok"] is False and loaded["error"] and loaded["checkpoint"] == str(tmp_path / "no-checkpoint")
+    L.load_after(str(result), None, str(tmp_path / "no-verifier"))
+    assert json.loads(result.read_text())["error"] == "FileNotFoundError: the training saved no checkpoint"
+
+
+def test_the_drafter_checkpoint_is_the_best_one_else_the_last_numbered(tmp_path):
+    save = tmp_path / "checkpoints"
+    assert L.drafter_checkpoint(str(save)) is None
+    for label in ("2", "10"):
+        (save / label).mkdir(parents=True)
+    assert L.drafter_checkpoint(str(save)) == str(save / "10")
+    (save / "checkpoint_best").symlink_to("2")
+    assert L.drafter_checkpoint(str(save)) == str(save / "2")
 
 
 def fake_dryrun_launcher(tmp_path, loaded):
@@ -248,3 +256,50 @@ def test_a_dry_run_whose_checkpoint_loaded_passes(tmp_path, monkeypatch, capsys)
     E.cmd_dryrun(a)
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["ok"] is True and result["loaded"]["class"] == "Eagle3DraftModel", result
+
+
+def trained(tmp_path):
+    """An output directory whose training saved checkpoint 0 (config and weights), nothing else."""
+    out = tmp_path / "out"
+    ckpt = out / "checkpoints" / "0"
+    ckpt.mkdir(parents=True)
+    for name in E.DRAFTER_FILES:
+        (ckpt / name).write_text("{}")
+    write_safetensors(ckpt / "model.safetensors")
+    (out / "nodes" / "0").mkdir(parents=True)
+    return out, str(ckpt)
+
+
+def finish(out, capsys):
+    E.cmd_finish(argparse.Namespace(out=str(out), fingerprint="f", verifier="/model", inputs="{}"))
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_finish_takes_the_trainers_load_of_the_drafters_checkpoint(tmp_path, monkeypatch, capsys):
+    out, ckpt = trained(tmp_path)
+    monkeypatch.setattr(L, "load_summary", lambda checkpoint, verifier: {"class": "Eagle3DraftModel", "parameters": 7})
+    L.load_after(E.trained_load(str(out)), ckpt, "/model")
+    monkeypatch.setattr(E, "load_check", lambda *args: pytest.fail("loaded a second time"))
+    assert finish(out, capsys)["loaded"]["class"] == "Eagle3DraftModel"
+
+
+@pytest.mark.parametrize("change", ["weights rewritten", "another checkpoint", "no load recorded"])
+def test_finish_loads_the_drafter_itself_unless_the_trainers_load_is_of_these_weights(
+        tmp_path, monkeypatch, capsys, change):
+    out, ckpt = trained(tmp_path)
+    monkeypatch.setattr(L, "load_summary", lambda checkpoint, verifier: {"class": "Stale", "parameters": 7})
+    if change != "no load recorded":
+        L.load_after(E.trained_load(str(out)), ckpt if change == "weights rewritten" else ckpt + "-other", "/model")
+    if change == "weights rewritten":
+        write_safetensors(os.path.join(ckpt, "model.safetensors"), payload=32)
+    checked = []
+    monkeypatch.setattr(E, "load_check", lambda python, path, verifier: checked.append(path) or {"ok": True, "class": "Fresh"})
+    assert finish(out, capsys)["loaded"]["class"] == "Fresh" and checked == [str(out / "drafter.tmp")]
+
+
+def test_finish_refuses_a_drafter_whose_load_failed_in_the_trainer(tmp_path, capsys):
+    out, ckpt = trained(tmp_path)
+    L.load_after(E.trained_load(str(out)), ckpt, "/model")  # speculators is not installed here: the load fails
+    with pytest.raises(SystemExit, match="does not load: ModuleNotFoundError"):
+        finish(out, capsys)
+    assert not (out / "drafter").exists() and not (out / "MANIFEST.json").exists()

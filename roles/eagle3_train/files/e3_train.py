@@ -29,13 +29,15 @@ Runs with the speculators venv's python, around `torchrun ... gpuflow_train_laun
   stop     SIGTERM to this node's job (PID validated by its command line), then wait.
   stage    records the checkpoints' identity; links the prepared dataset into data/.
   finish   the drafter: the best (or last) checkpoint's config and weights copied to
-           drafter/, loaded once more, and MANIFEST.json (steps, final loss, validation
-           metrics, paths, fingerprint, save cost) written atomically.
+           drafter/ and known to load (the trainer's own load of that checkpoint, nodes/0/
+           loaded.json, while its weights are unchanged; else loaded here in a child process),
+           and MANIFEST.json (steps, final loss, validation metrics, paths, fingerprint, save
+           cost) written atomically.
   check    is training complete for this fingerprint? (a rerun after completion does nothing)
 
 Output directory: data/ (links to the prepared dataset, vocabulary mapping), checkpoints/
 (speculators' save path), logs/, metrics.jsonl (every logged
-step and validation, rank 0), nodes/R/{job.json,progress.json,train.log}, dryrun/,
+step and validation, rank 0), nodes/R/{job.json,progress.json,train.log}, nodes/0/loaded.json, dryrun/,
 drafter/, MANIFEST.json.
 """
 import argparse
@@ -51,6 +53,7 @@ import threading
 import time
 
 from gpuflow_jobs import atomic_json, detach, emit, job_status, live_pid, read_json, write_pidfile
+from gpuflow_train_launch import drafter_checkpoint, numbered_checkpoints, weights_identity
 
 SCHEMA = 1
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpuflow_train_launch.py")
@@ -135,14 +138,6 @@ def safetensors_complete(path):
     return size == 8 + n + end
 
 
-def numbered_checkpoints(save_path):
-    try:
-        names = os.listdir(save_path)
-    except FileNotFoundError:
-        return []
-    return sorted(int(n) for n in names if n.isdigit() and not os.path.islink(os.path.join(save_path, n)))
-
-
 def unfinished_saves(events):
     """Checkpoint labels whose last save began and never ended."""
     state = {}
@@ -150,6 +145,11 @@ def unfinished_saves(events):
         if e.get("kind") in ("save_begin", "save_end"):
             state[e["checkpoint"]] = e["kind"]
     return sorted(k for k, v in state.items() if v == "save_begin")
+
+
+def trained_load(out):
+    """Where the trainer (rank 0) writes the load of the checkpoint its drafter is made from."""
+    return os.path.join(node_dir(out, 0), "loaded.json")
 
 
 def load_check(python, path, verifier):
@@ -260,7 +260,7 @@ def cmd_dryrun(a):
     loaded_file = os.path.join(d, "loaded.json")
     # the launcher loads what it saved, in the process that has speculators imported already
     argv = [sys.executable, LAUNCHER, "--events", os.path.join(d, "events.jsonl"), "--node-rank", "0",
-            "--load-after", loaded_file, a.verifier] + a.train_args + ["--dry-run", "--save-path", ckpt]
+            "--load-after", loaded_file] + a.train_args + ["--dry-run", "--save-path", ckpt]
     t0 = time.time()
     with open(os.path.join(d, "dryrun.log"), "ab") as log:
         rc = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -497,7 +497,9 @@ class Job:
             self.fold_killed_run()
             self.save_online_run()
         self.offset = os.path.getsize(self.metrics) if os.path.exists(self.metrics) else 0
-        launcher = [LAUNCHER, "--events", self.metrics, "--node-rank", str(a.node_rank)]
+        # rank 0 loads the checkpoint the drafter will be made from, once the training ends (finish reads it)
+        launcher = [LAUNCHER, "--events", self.metrics, "--node-rank", str(a.node_rank),
+                    "--load-after", trained_load(a.out)]
         argv = [sys.executable, "-m", "torch.distributed.run"] + a.torchrun + launcher + a.train_args
         with open(os.path.join(self.dir, "train.log"), "ab") as log:
             log.write(("=== %s: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), " ".join(argv))).encode())
@@ -583,9 +585,8 @@ def cmd_stop(a):
 # ----------------------------------------------------------------------------- finish / check
 def cmd_finish(a):
     save_path = os.path.join(a.out, "checkpoints")
-    best = os.path.join(save_path, "checkpoint_best")
     numbered = numbered_checkpoints(save_path)
-    chosen = os.path.realpath(best) if os.path.isdir(best) else (os.path.join(save_path, str(numbered[-1])) if numbered else None)
+    chosen = drafter_checkpoint(save_path)
     if not chosen or not safetensors_complete(os.path.join(chosen, "model.safetensors")):
         raise SystemExit("no complete checkpoint in %s" % save_path)
     drafter = os.path.join(a.out, "drafter")
@@ -596,7 +597,10 @@ def cmd_finish(a):
         shutil.copyfile(os.path.join(chosen, name), os.path.join(tmp, name))
         os.chmod(os.path.join(tmp, name), 0o644)
     os.chmod(tmp, 0o755)
-    loaded = load_check(sys.executable, tmp, a.verifier)
+    loaded = read_json(trained_load(a.out), {})
+    if loaded.get("checkpoint") != chosen or loaded.get("weights") != weights_identity(chosen):
+        # the trainer's own load was of another checkpoint, or never happened (a run that ended otherwise)
+        loaded = load_check(sys.executable, tmp, a.verifier)
     if not loaded["ok"]:
         raise SystemExit("the trained drafter %s does not load: %s" % (chosen, loaded["error"]))
     shutil.rmtree(drafter, ignore_errors=True)

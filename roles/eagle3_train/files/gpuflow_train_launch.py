@@ -2,14 +2,16 @@
 
 torchrun starts this file instead of `-m speculators.train`:
 
-  torchrun ... gpuflow_train_launch.py --events FILE --node-rank N [--load-after RESULT VERIFIER] <speculators train arguments>
+  torchrun ... gpuflow_train_launch.py --events FILE --node-rank N [--load-after RESULT] <speculators train arguments>
   gpuflow_train_launch.py --load-check CHECKPOINT VERIFIER
 
 The second form loads a checkpoint with speculators, as vLLM will serve it beside its verifier, and prints
-{"class", "parameters"} as JSON. --load-after, for a dry run (`--dry-run` saves the initialised checkpoint
-at --save-path), does the same once speculators returns and writes the result (with "ok", or "ok": false
-and "error") to RESULT: the dry run checks what it saved in the process that has speculators imported
-already (a second process costs a torch + speculators import, about 9 CPU-s on a 2-core machine).
+{"class", "parameters"} as JSON. --load-after does the same once speculators returns, on rank 0, with the
+verifier of the training's arguments, and writes the result to RESULT ("ok", or "ok": false and "error"; the
+checkpoint and its weights' size and mtime): for a dry run the checkpoint it saved at --save-path, for a
+training the one its drafter is made from (drafter_checkpoint). The checkpoint is loaded in the process that
+has speculators imported already (a second process costs a torch + speculators import, 6 to 9 CPU-s on a
+2-core machine).
 
 1. Events: every metric record speculators logs (train steps, validation) goes to FILE as
    one JSON line, exact values, rank 0 only; so do the start of each epoch (with the steps
@@ -157,25 +159,56 @@ def load_summary(checkpoint, verifier):
 
 
 def load_after(result_path, checkpoint, verifier):
-    """load_summary into RESULT, a failure included."""
+    """load_summary into RESULT with the checkpoint and its weights' identity, a failure included."""
     try:
+        if checkpoint is None:
+            raise FileNotFoundError("the training saved no checkpoint")
         result = dict(load_summary(checkpoint, verifier), ok=True)
     except Exception as e:  # pylint: disable=broad-exception-caught  # any failure to load is the answer
         result = {"ok": False, "error": ("%s: %s" % (type(e).__name__, e)).strip().splitlines()[-1]}
+    result.update(checkpoint=checkpoint, weights=weights_identity(checkpoint) if checkpoint else None)
     with open(result_path, "w") as f:
         json.dump(result, f)
 
 
-def save_path(args):
-    """The --save-path speculators uses: the last one given, as its argument parser takes."""
+def numbered_checkpoints(save_path):
+    """The epoch and sub-epoch checkpoints speculators saved under save_path, oldest first."""
+    try:
+        names = os.listdir(save_path)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and not os.path.islink(os.path.join(save_path, n)))
+
+
+def drafter_checkpoint(save_path):
+    """The checkpoint a training's drafter is made from: speculators' best where it kept one, else its last
+    numbered one; None when it saved none."""
+    best = os.path.join(save_path, "checkpoint_best")
+    if os.path.isdir(best):
+        return os.path.realpath(best)
+    numbered = numbered_checkpoints(save_path)
+    return os.path.join(save_path, str(numbered[-1])) if numbered else None
+
+
+def weights_identity(checkpoint):
+    """[size, mtime in ns] of the checkpoint's weights (None: none there): a load result holds for these."""
+    try:
+        st = os.stat(os.path.join(checkpoint, "model.safetensors"))
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def last_value(args, flag):
+    """The value speculators' argument parser takes for flag: the last one given."""
     found = None
     for i, arg in enumerate(args):
-        if arg == "--save-path" and i + 1 < len(args):
+        if arg == flag and i + 1 < len(args):
             found = args[i + 1]
-        elif arg.startswith("--save-path="):
+        elif arg.startswith(flag + "="):
             found = arg.split("=", 1)[1]
     if found is None:
-        raise SystemExit("--load-after needs --save-path among the speculators train arguments")
+        raise SystemExit("--load-after needs %s among the speculators train arguments" % flag)
     return found
 
 
@@ -184,14 +217,15 @@ def main(argv):
         print(json.dumps(load_summary(argv[1], argv[2])))
         return
     if len(argv) < 4 or argv[0] != "--events" or argv[2] != "--node-rank":
-        raise SystemExit("usage: gpuflow_train_launch.py --events FILE --node-rank N [--load-after RESULT VERIFIER] "
+        raise SystemExit("usage: gpuflow_train_launch.py --events FILE --node-rank N [--load-after RESULT] "
                          "<speculators train arguments> | --load-check CHECKPOINT VERIFIER")
     events, args = argv[1], argv[4:]  # the node rank only marks the process: whose trainer it is
     load = None
     if args[:1] == ["--load-after"]:
-        if len(args) < 3:
-            raise SystemExit("--load-after RESULT VERIFIER")
-        load, args = (args[1], save_path(args[3:]), args[2]), args[3:]
+        if len(args) < 2:
+            raise SystemExit("--load-after RESULT")
+        result, args = args[1], args[2:]
+        load = (result, last_value(args, "--save-path"), last_value(args, "--verifier-name-or-path"))
     end_with_parent()
     import torch
     install_events(events)
@@ -202,7 +236,8 @@ def main(argv):
     from speculators.train.config import TrainConfig
     train_main(TrainConfig.resolve(args))
     if load and rank_zero():
-        load_after(*load)
+        result, save, verifier = load
+        load_after(result, save if "--dry-run" in args else drafter_checkpoint(save), verifier)
 
 
 if __name__ == "__main__":
