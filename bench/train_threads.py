@@ -61,13 +61,12 @@ def run(a, workdir, setting, trainers):
     for i in range(trainers):
         out = tempfile.mkdtemp(prefix="trainer-%d-" % i, dir=workdir)
         outs.append(out)
-        log = open(os.path.join(out, "trainer.log"), "wb")
-        procs.append(subprocess.Popen(trainer_argv(a.work, a.python, a.epochs, out), env=env, cwd=out,
-                                      stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        with open(os.path.join(out, "trainer.log"), "wb") as log:
+            procs.append(subprocess.Popen(trainer_argv(a.work, a.python, a.epochs, out), env=env, cwd=out,
+                                          stdout=log, stderr=subprocess.STDOUT))
     cpu, wall = 0.0, 0.0
     for proc, out in zip(procs, outs):
-        _, status, usage = os.wait4(proc.pid, 0)
+        status, usage = os.wait4(proc.pid, 0)[1:]
         wall = max(wall, time.monotonic() - start)
         if os.waitstatus_to_exitcode(status) != 0:
             raise SystemExit("a trainer failed (rc %d); see %s/trainer.log" % (os.waitstatus_to_exitcode(status), out))
