@@ -31,20 +31,23 @@ import time
 from pipeline_local import git_commit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the arguments a rerun must not share with the training it copies
-OWN_PATHS = ("--save-path", "--log-dir")
 SETTINGS = ("default", "one_thread")
 
 
-def trainer_argv(work, python, epochs, out):
-    """The finished training's command, writing under out."""
+def training_args(work):
+    """The speculators arguments of the finished training in WORK."""
     with open(os.path.join(work, "train", "default", "MANIFEST.json")) as f:
-        args = list(json.load(f)["inputs"]["args"])
+        return json.load(f)["inputs"]["args"]
+
+
+def trainer_argv(a, out):
+    """The finished training's command, writing under out."""
+    args = list(a.training_args)
     for flag, value in (("--save-path", os.path.join(out, "checkpoints")), ("--log-dir", os.path.join(out, "logs")),
-                        ("--epochs", str(epochs))):
+                        ("--epochs", str(a.epochs))):
         args[args.index(flag) + 1] = value
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
-            "--max-restarts", "0", os.path.join(work, "lib", "gpuflow_train_launch.py"),
+    return [a.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
+            "--max-restarts", "0", os.path.join(a.work, "lib", "gpuflow_train_launch.py"),
             "--events", os.path.join(out, "events.jsonl"), "--node-rank", "0"] + args
 
 
@@ -62,7 +65,7 @@ def run(a, workdir, setting, trainers):
         out = tempfile.mkdtemp(prefix="trainer-%d-" % i, dir=workdir)
         outs.append(out)
         with open(os.path.join(out, "trainer.log"), "wb") as log:
-            procs.append(subprocess.Popen(trainer_argv(a.work, a.python, a.epochs, out), env=env, cwd=out,
+            procs.append(subprocess.Popen(trainer_argv(a, out), env=env, cwd=out,
                                           stdout=log, stderr=subprocess.STDOUT))
     cpu, wall = 0.0, 0.0
     for proc, out in zip(procs, outs):
@@ -93,6 +96,7 @@ def main():
         if not found:
             raise SystemExit("no speculators venv under %s/venvs: run `make pipeline` first, or give --python" % a.work)
         a.python = found[-1]
+    a.training_args = training_args(a.work)
     runs = []
     with tempfile.TemporaryDirectory(prefix="gpuflow-bench-") as workdir:
         for r in range(a.rounds):
