@@ -124,8 +124,8 @@ def extraction_setup(name, samples, truncated):
         "hidden_state_extract_lib_dir": os.path.join(root, "lib"),
         "hidden_state_extract_concurrency": 1,  # slow enough to be killed part-way
         # the job's wait returns within half a second of its end, so the interval only spaces the progress lines;
-        # each polling round costs about half a CPU-second of Ansible tasks
-        "hidden_state_extract_poll_interval": 5,
+        # each polling round costs about a CPU-second of Ansible tasks (six tasks and the job's `wait`)
+        "hidden_state_extract_poll_interval": 30,
         "hidden_state_extract_gpu_backend": "simulated",
         "hidden_state_extract_gpu_sim_state_dir": sim,
     })

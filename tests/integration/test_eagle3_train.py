@@ -49,7 +49,7 @@ def env(extraction):
         "eagle3_train_draft_vocab_size": 256,
         "eagle3_train_log_freq": 1,
         "eagle3_train_checkpoint_freq": 0.5,
-        "eagle3_train_poll_interval": 5,  # as the extraction's (extract_env): the wait ends with the job
+        "eagle3_train_poll_interval": 30,  # as the extraction's (extract_env): the wait ends with the job
         "eagle3_train_stop_timeout": 60,
         "eagle3_train_gpu_backend": "simulated",
         "eagle3_train_gpu_sim_state_dir": info["sim"],

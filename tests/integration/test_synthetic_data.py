@@ -70,7 +70,7 @@ def env():
         "synthetic_data_concurrency": 1,
         "synthetic_data_max_tokens": 384,  # slow enough (concurrency 1) that Ansible returns before the last row
         "synthetic_data_sampling_params": {"temperature": 1.0, "top_p": 1.0, "seed": 0, "min_tokens": 4},
-        "synthetic_data_poll_interval": 5,  # the wait ends with the client; each round costs Ansible tasks
+        "synthetic_data_poll_interval": 30,  # the wait ends with the client; each round costs Ansible tasks
         "synthetic_data_lib_dir": os.path.join(root, "lib"),
     }
     info = {"ev": ev, "root": root, "port": port,
