@@ -124,7 +124,7 @@ def extraction_setup(name, samples, truncated):
         "hidden_state_extract_lib_dir": os.path.join(root, "lib"),
         "hidden_state_extract_concurrency": 1,  # slow enough to be killed part-way
         # the job's wait returns within half a second of its end, so the interval only spaces the progress lines;
-        # each polling round costs about a CPU-second of Ansible tasks (six tasks and the job's `wait`)
+        # each polling round costs about 0.6 CPU-s of Ansible tasks (six tasks and the job's `wait`)
         "hidden_state_extract_poll_interval": 30,
         "hidden_state_extract_gpu_backend": "simulated",
         "hidden_state_extract_gpu_sim_state_dir": sim,
