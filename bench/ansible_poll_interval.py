@@ -1,0 +1,132 @@
+"""What Ansible's internal poll interval costs the controller, side by side: ansible-core's default and this repo's.
+
+ansible-playbook's main process checks for finished tasks every `internal_poll_interval` seconds ([defaults]; no
+environment variable). ansible-core's default, 1 ms, makes a playbook that waits on a long task (a server's
+start, a polling round, a training) a process that wakes a thousand times a second on the CPU the workload needs.
+Two workloads, each with both settings, rounds alternating which goes first:
+
+- wait: one `sleep` task of --wait seconds, and the same task sleeping 0 s: the difference is what the
+  controller spends while it waits, given per minute;
+- short: bench/pipelining_local.py's playbook (--tasks `stat` and --command-tasks `command` tasks); the wall time
+  shows what a longer interval adds to each task's turnaround.
+
+Each setting runs with a copy of the repo's ansible.cfg that differs in that one key. CPU seconds (user + system)
+of ansible-playbook and everything it waited for, from the children's rusage; medians.
+
+  .venv/bin/python bench/ansible_poll_interval.py [--rounds 3] [--wait 60] [--tasks 40] [--command-tasks 10]
+
+Writes bench/results/ansible_poll_interval.json: summary{wait_cpu_s_per_min_core_default,
+wait_cpu_s_per_min_repo, wait_cpu_ratio, short_wall_s_core_default, short_wall_s_repo,
+short_ms_added_per_task, short_cpu_s_core_default, short_cpu_s_repo, interval_core_default_s,
+interval_repo_s}, and every run.
+"""
+import argparse
+import configparser
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from pipeline_local import git_commit
+from pipelining_local import children_cpu, playbook
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAYBOOK_BIN = os.path.join(os.path.dirname(sys.executable), "ansible-playbook")
+CORE_DEFAULT = 0.001  # ansible-core's DEFAULT_INTERNAL_POLL_INTERVAL (lib/ansible/config/base.yml)
+
+
+def repo_interval():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(REPO, "ansible.cfg"))
+    return cfg.getfloat("defaults", "internal_poll_interval")
+
+
+def config_with(interval, workdir):
+    """A copy of the repo's ansible.cfg with this interval; its path."""
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(REPO, "ansible.cfg"))
+    cfg.set("defaults", "internal_poll_interval", str(interval))
+    path = os.path.join(workdir, "ansible-%s.cfg" % interval)
+    with open(path, "w") as f:
+        cfg.write(f)
+    return path
+
+
+def run(play, workdir, config):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+    env.update(ANSIBLE_CONFIG=config, ANSIBLE_NOCOLOR="1")
+    cpu0, wall0 = children_cpu(), time.monotonic()
+    done = subprocess.run([PLAYBOOK_BIN, "-i", "localhost,", "-e", "ansible_python_interpreter=" + sys.executable,
+                           play], cwd=workdir, env=env, capture_output=True, text=True, check=False)
+    wall, cpu = time.monotonic() - wall0, children_cpu() - cpu0
+    if done.returncode != 0:
+        raise SystemExit("the playbook failed (%s):\n%s" % (config, done.stdout[-3000:]))
+    return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--wait", type=int, default=60, help="seconds the waiting task sleeps")
+    ap.add_argument("--tasks", type=int, default=40, help="stat tasks in the short playbook")
+    ap.add_argument("--command-tasks", type=int, default=10, help="command tasks in the short playbook")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "ansible_poll_interval.json"))
+    a = ap.parse_args()
+    ours = repo_interval()
+    intervals = (CORE_DEFAULT, ours)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="gpuflow-bench-") as workdir:
+        plays = {name: os.path.join(workdir, name + ".yml") for name in ("wait", "wait0", "short")}
+        for name, seconds in (("wait", a.wait), ("wait0", 0)):
+            with open(plays[name], "w") as f:
+                f.write("- hosts: localhost\n  gather_facts: false\n  connection: local\n  tasks:\n"
+                        "    - name: Wait\n      ansible.builtin.command:\n        argv: [sleep, '%d']\n"
+                        "      changed_when: false\n" % seconds)
+        with open(plays["short"], "w") as f:
+            f.write(playbook(a.tasks, a.command_tasks))
+        configs = {i: config_with(i, workdir) for i in intervals}
+        for r in range(a.rounds):
+            for interval in (intervals if r % 2 == 0 else intervals[::-1]):
+                for workload, play in plays.items():
+                    runs.append(dict(run(play, workdir, configs[interval]), round=r, interval_s=interval,
+                                     workload=workload))
+                    print("round %d interval %-6s %-5s cpu %6.2f s  wall %6.2f s"
+                          % (r, interval, workload, runs[-1]["cpu_s"], runs[-1]["wall_s"]), flush=True)
+
+    def median(key, interval, workload):
+        return statistics.median(x[key] for x in runs if x["interval_s"] == interval and x["workload"] == workload)
+
+    def waiting_per_min(interval):
+        return (median("cpu_s", interval, "wait") - median("cpu_s", interval, "wait0")) * 60.0 / a.wait
+
+    wait_core, wait_ours = waiting_per_min(CORE_DEFAULT), waiting_per_min(ours)
+    short_core, short_ours = median("wall_s", CORE_DEFAULT, "short"), median("wall_s", ours, "short")
+    summary = {"wait_cpu_s_per_min_core_default": round(wait_core, 3), "wait_cpu_s_per_min_repo": round(wait_ours, 3),
+               "wait_cpu_ratio": round(wait_core / wait_ours, 3),
+               "short_wall_s_core_default": short_core, "short_wall_s_repo": short_ours,
+               "short_ms_added_per_task": round(1000 * (short_ours - short_core) / (a.tasks + a.command_tasks), 1),
+               "short_cpu_s_core_default": median("cpu_s", CORE_DEFAULT, "short"),
+               "short_cpu_s_repo": median("cpu_s", ours, "short"),
+               "interval_core_default_s": CORE_DEFAULT, "interval_repo_s": ours}
+    doc = {"name": "ansible_poll_interval",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"host": platform.node(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+           "commit": git_commit(),
+           "params": {"rounds": a.rounds, "wait": a.wait, "tasks": a.tasks, "command_tasks": a.command_tasks},
+           "summary": summary, "runs": runs}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("waiting: %.2f CPU-s a minute at %s s, %.2f at %s s (ratio %.2f); %d short tasks: %.2f s against %.2f s wall"
+          % (wait_core, CORE_DEFAULT, wait_ours, ours, summary["wait_cpu_ratio"], a.tasks + a.command_tasks,
+             short_core, short_ours))
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
