@@ -106,20 +106,22 @@ def validate_params(p):
     return rx
 
 
-def unit_members(units, proc_root="/proc"):
-    """``{unit: {pid: create_time}}`` of processes whose cgroup belongs to each unit."""
-    want = set(units)
-    out = dict((u, {}) for u in units)
+def unit_members(control_groups, proc_root="/proc"):
+    """``{unit: {pid: create_time}}`` of the processes in each unit's control group, the path systemd gives
+    (``{unit: ControlGroup}``), or below it. A unit of the same name run by a container's systemd lies under
+    the container's cgroup: its processes are not this host's unit's."""
+    out = dict((u, {}) for u in control_groups)
     for pid in H.list_pids(proc_root):
         try:
             with open(os.path.join(proc_root, str(pid), "cgroup")) as f:
-                cg = H.parse_cgroup(f.read())
+                path = H.parse_cgroup(f.read())["cgroup"] or ""
         except OSError:
             continue
-        if cg["unit"] in want:
-            ct = H.create_time(pid, proc_root)
-            if ct is not None:
-                out[cg["unit"]][pid] = ct
+        for unit, group in control_groups.items():
+            if group and (path == group or path.startswith(group.rstrip("/") + "/")):
+                ct = H.create_time(pid, proc_root)
+                if ct is not None:
+                    out[unit][pid] = ct
     return out
 
 
@@ -216,6 +218,7 @@ class DrainRun(object):
         self.own = set()
         self.disc = None
         self.targets = []
+        self.unit_cgroups = {}
         self.unit_procs = {}
         # drain_decide
         self.plan = None
@@ -276,7 +279,9 @@ def drain_look(d, own=None):
             rc, props = d.systemd.load_state(u)
             if rc != 0 or props.get("LoadState") in (None, "", "not-found"):
                 raise DrainError("unknown systemd unit %s (LoadState=%s)" % (u, props.get("LoadState")))
-        d.unit_procs = unit_members(units, d.proc_root)
+            # kept for the leftovers after the stop, when systemd no longer names an inactive unit's group
+            d.unit_cgroups[u] = props.get("ControlGroup")
+        d.unit_procs = unit_members(d.unit_cgroups, d.proc_root)
 
 
 def drain_decide(d):
@@ -376,7 +381,8 @@ def drain_signal(d):
     # Targets: planned holders still alive + unit leftovers (now, after the stop).
     d.allowed = dict(d.plan["allowed"])
     if d.plan["units"]:
-        for u, members in unit_members(d.plan["units"], d.proc_root).items():
+        for u, members in unit_members(dict((u, d.unit_cgroups.get(u)) for u in d.plan["units"]),
+                                       d.proc_root).items():
             for pid, ct in members.items():
                 if pid in d.own or pid in d.ignore_pids:
                     continue

@@ -63,6 +63,7 @@ def build_plan(disc, targets, p, rx, unit_procs, table, own):
     all_mode = p["all_holders"] or by_selector
     drain_mgmt = p["management_clients"] == "drain"
     units = [unit_name(u) for u in p["units"] or []]
+    unit_of = dict((pid, u) for u, members in (unit_procs or {}).items() for pid in members)
 
     desc_of_explicit = S.descendants(sorted(explicit), table) if explicit else set()
     owners = _pattern_owners(on_target, rx, table, own, drain_mgmt, disc.get("proc_root", "/proc")) if rx else {}
@@ -89,8 +90,8 @@ def build_plan(disc, targets, p, rx, unit_procs, table, own):
             why = "descendant of a process whose cmdline matches %r" % p["cmdline_pattern"]
         elif pid in desc_of_explicit and (cls == "compute" or drain_mgmt):
             why = "descendant of a PID named in pids"
-        elif h.get("unit") in units:
-            why = "in unit %s" % h.get("unit")
+        elif pid in unit_of:
+            why = "in unit %s" % unit_of[pid]
         elif rx is not None and rx.search(h.get("cmdline") or "") and (cls == "compute" or drain_mgmt):
             why = "cmdline matches %r" % p["cmdline_pattern"]
         if why:

@@ -340,7 +340,7 @@ def test_unit_stopped_then_leftovers_signalled(tmp_path):
     def run(argv):
         calls.append(argv)
         if "show" in argv:
-            return 0, "LoadState=loaded\nActiveState=active\n", ""
+            return 0, "LoadState=loaded\nActiveState=active\nControlGroup=/system.slice/vllm-x.service\n", ""
         h.fp.remove(BASE + 1)
         return 0, "", ""
     res, sig, dummy = h.run({"units": ["vllm-x"], "release_timeout": 0.5}, systemd=Systemd(run, booted=True))
@@ -349,6 +349,25 @@ def test_unit_stopped_then_leftovers_signalled(tmp_path):
     assert h.fp.alive(BASE + 3)
     assert res["actions"][0]["action"] == "systemctl_stop"
     assert _verdicts(res)[0] == "blocked"   # BASE+3 was not selected
+
+
+def test_a_containers_unit_of_the_same_name_is_not_signalled(tmp_path):
+    """A container's own systemd (cgroupns host) runs vllm-x.service too: its cgroup lies under the container's
+    scope, not under this host's unit, so the drain of the host's unit leaves it alone."""
+    h = Host(tmp_path)
+    h.holder(BASE + 1, [0], cgroup="0::/system.slice/vllm-x.service")
+    h.holder(BASE + 2, [0], cgroup="0::/system.slice/vllm-x.service/control", ppid=1)  # a leftover below it
+    h.holder(BASE + 4, [0], cgroup="0::/system.slice/docker-" + "c" * 64 + ".scope/system.slice/vllm-x.service")
+    h.holder(BASE + 5, [0], cgroup="0::/system.slice/vllm-x.service-canary.service")
+
+    def run(argv):
+        if "show" in argv:
+            return 0, "LoadState=loaded\nActiveState=active\nControlGroup=/system.slice/vllm-x.service\n", ""
+        h.fp.remove(BASE + 1)
+        return 0, "", ""
+    res, sig, dummy = h.run({"units": ["vllm-x"], "release_timeout": 0.5}, systemd=Systemd(run, booted=True))
+    assert [c[1] for c in sig.calls] == [BASE + 2]
+    assert h.fp.alive(BASE + 4) and h.fp.alive(BASE + 5)
 
 
 def test_cuda_opens_every_node_but_holds_one_gpu(tmp_path):

@@ -35,7 +35,7 @@ def unit_systemd(h, stop_rc=0):
     def run(argv):
         calls.append(argv)
         if "show" in argv:
-            return 0, "LoadState=loaded\nActiveState=active\n", ""
+            return 0, "LoadState=loaded\nActiveState=active\nControlGroup=/system.slice/vllm-x.service\n", ""
         if stop_rc:
             return stop_rc, "", "Job failed"
         h.fp.remove(BASE + 1)

@@ -319,6 +319,36 @@ def helper_module():
     return module
 
 
+CONTAINER_SCOPE = "/system.slice/docker-" + "c" * 64 + ".scope"
+
+
+def test_a_units_processes_are_those_in_the_control_group_systemd_names(monkeypatch):
+    """A container's systemd (cgroupns host) runs a unit of the same name under its own scope: not this unit."""
+    module = helper_module()
+    cgroups = {
+        10: "0::/system.slice/vllm-x.service",
+        11: "0::/system.slice/vllm-x.service/control",
+        12: "0::" + CONTAINER_SCOPE + "/system.slice/vllm-x.service",
+        13: "0::/system.slice/vllm-x.service-canary.service",
+        14: "9:name=systemd:/system.slice/vllm-x.service\n4:memory:/\n0::/",  # a hybrid host
+        15: "9:name=systemd:" + CONTAINER_SCOPE + "/system.slice/vllm-x.service\n0::/",
+    }
+    monkeypatch.setattr(module, "unit_cgroup", lambda unit: "/system.slice/vllm-x.service")
+    monkeypatch.setattr(module, "all_pids", lambda: iter(cgroups))
+    monkeypatch.setattr(module, "read", lambda path: cgroups.get(int(path.split("/")[2])))
+    monkeypatch.setattr(module, "pgid_of", lambda pid: pid)
+    assert module.unit_pids("vllm-x.service") == [10, 11, 14]
+
+
+@pytest.mark.skipif(os.path.isdir("/run/systemd/system"), reason="needs a host where systemd is not booted")
+def test_no_process_is_a_units_where_systemd_is_not_booted(monkeypatch):
+    """Every process here reads as a container's vllm-x.service: without a systemd of its own, the host has none."""
+    module = helper_module()
+    container = "9:name=systemd:/docker/" + "c" * 64 + "/system.slice/vllm-x.service\n0::/\n"
+    monkeypatch.setattr(module, "read", lambda path: container if path.endswith("/cgroup") else None)
+    assert module.unit_pids("vllm-x.service") == []
+
+
 def test_the_recorded_command_line_is_the_one_after_the_exec():
     """Right after Popen returns, /proc/PID/cmdline reads empty about half the time (the kernel sets it a moment
     after the exec closed Popen's error pipe); a pid file with that empty line would call the server stale."""

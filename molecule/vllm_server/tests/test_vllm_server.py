@@ -41,6 +41,16 @@ def test_hardening_exposure(host):
     assert float(m.group(1)) <= 5.0, "exposure %s > 5.0" % m.group(1)
 
 
+def test_process_helper_lists_the_processes_systemd_runs_in_the_unit(host):
+    """vllm_proc.py pids --unit (the stop waits on it, the hand-off registers its answer as GPU holders) finds a
+    unit's processes by the control group systemd names for it: here, a systemd in a container (cgroupns host)."""
+    tree = host.check_output("systemctl status --no-pager --lines 0 %s" % UNIT)
+    # the CGroup tree's branches: box drawing on a UTF-8 locale, ASCII otherwise
+    in_unit = sorted(int(pid) for pid in re.findall(r"(?:[\u251c\u2514]\u2500|[|`]-)(\d+) ", tree))
+    listed = json.loads(host.check_output("python3 /etc/vllm/bin/vllm_proc.py pids --unit %s" % UNIT))["pids"]
+    assert len(in_unit) >= 2 and listed == in_unit, tree
+
+
 def test_listens_on_loopback_only(host):
     assert host.socket("tcp://127.0.0.1:8000").is_listening
     assert not host.socket("tcp://0.0.0.0:8000").is_listening

@@ -12,7 +12,8 @@ Subcommands print one JSON object on stdout and exit 0 unless stated; a refusal 
 
   port    --port N [--unit U] [--pidfile F] [--user USER]
           who listens on TCP port N: {"in_use", "pids", "uids", "ours"}; ours = every listener
-          belongs to systemd unit U (by /proc/PID/cgroup) or to the server group F records.
+          belongs to systemd unit U (in the control group systemd names for it) or to the server group F
+          records.
   pids    [--unit U] [--pidfile F]
           the processes of unit U (cgroup membership survives re-parenting) or of the server's
           process group: {"pids": [...], "stale"}.
@@ -340,20 +341,40 @@ def write_record(dir_fd, name, record):
 
 # --- subcommands --------------------------------------------------------------------------------
 
+def unit_cgroup(unit):
+    """The control group this host's systemd runs unit in; None where systemd is not booted or the unit is
+    not running."""
+    if not os.path.isdir("/run/systemd/system"):
+        return None
+    r = subprocess.run(["systemctl", "show", "-p", "ControlGroup", "--value", "--", unit],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, universal_newlines=True, check=False)
+    return r.stdout.strip() or None
+
+
+def systemd_cgroups(pid):
+    """The process's cgroups in the hierarchies systemd lays out: the unified one, cgroup v1's name=systemd
+    (a hybrid host has both)."""
+    paths = []
+    for line in (read("/proc/%d/cgroup" % pid) or "").splitlines():
+        hid, ctrls, path = (line.split(":", 2) + ["", ""])[:3]
+        if (hid == "0" and not ctrls) or "name=systemd" in ctrls.split(","):
+            paths.append(path)
+    return paths
+
+
 def unit_pids(unit):
-    needle = "/" + unit
+    """The live processes in unit's control group or below it. By the group systemd names, not by the unit's
+    name in a path: a container's systemd (cgroupns host) may run a unit of the same name, under its own scope."""
+    group = unit_cgroup(unit)
+    if not group:
+        return []
+    below = group.rstrip("/") + "/"
     res = []
     for pid in all_pids():
-        cg = read("/proc/%d/cgroup" % pid)
-        if not cg:
-            continue
-        for line in cg.splitlines():
-            path = line.split(":", 2)[-1]
-            if path.endswith(needle) or (needle + "/") in path:
-                if pgid_of(pid) is not None:  # not a zombie
-                    res.append(pid)
-                break
-    return sorted(set(res))
+        inside = any(path == group or path.startswith(below) for path in systemd_cgroups(pid))
+        if inside and pgid_of(pid) is not None:  # pgid_of is None for a zombie
+            res.append(pid)
+    return res
 
 
 def listeners(port):
