@@ -29,13 +29,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 from pipeline_local import git_commit
-from pipelining_local import children_cpu
+from pipelining_local import timed_playbook
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAYBOOK_BIN = os.path.join(os.path.dirname(sys.executable), "ansible-playbook")
@@ -67,15 +65,7 @@ def short_playbook(tasks):
 
 
 def run(play, workdir, config):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
-    env.update(ANSIBLE_CONFIG=config, ANSIBLE_NOCOLOR="1")
-    cpu0, wall0 = children_cpu(), time.monotonic()
-    done = subprocess.run([PLAYBOOK_BIN, "-i", "localhost,", "-e", "ansible_python_interpreter=" + sys.executable,
-                           play], cwd=workdir, env=env, capture_output=True, text=True, check=False)
-    wall, cpu = time.monotonic() - wall0, children_cpu() - cpu0
-    if done.returncode != 0:
-        raise SystemExit("the playbook failed (%s):\n%s" % (config, done.stdout[-3000:]))
-    return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
+    return timed_playbook(PLAYBOOK_BIN, sys.executable, play, workdir, config, ANSIBLE_CONFIG=config)
 
 
 def main():

@@ -24,10 +24,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 
 from pipeline_local import git_commit
-from pipelining_local import children_cpu, side_by_side
+from pipelining_local import side_by_side, timed_playbook
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIREMENTS = os.path.join(REPO, "requirements", "controller.txt")
@@ -60,17 +59,9 @@ def controller_venv(build):
 
 
 def run(play, workdir, venv):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
-    env.update(ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     python = os.path.join(venv, "bin", "python")
-    cpu0, wall0 = children_cpu(), time.monotonic()
-    done = subprocess.run([os.path.join(venv, "bin", "ansible-playbook"), "-i", "localhost,", "-e",
-                           "ansible_python_interpreter=" + python, play],
-                          cwd=workdir, env=env, capture_output=True, text=True, check=False)
-    wall, cpu = time.monotonic() - wall0, children_cpu() - cpu0
-    if done.returncode != 0:
-        raise SystemExit("the playbook failed on %s:\n%s" % (python, done.stdout[-3000:]))
-    return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
+    return timed_playbook(os.path.join(venv, "bin", "ansible-playbook"), python, play, workdir, "on " + python,
+                          ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"))
 
 
 def main():

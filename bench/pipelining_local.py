@@ -44,18 +44,26 @@ def children_cpu():
     return use.ru_utime + use.ru_stime
 
 
-def run(play, workdir, pipelined):
+def timed_playbook(playbook_bin, python, play, workdir, what, **ansible_env):
+    """Run play on localhost with this interpreter, Ansible's settings from ansible_env alone (ANSIBLE_CONFIG
+    and the rest; none inherited): {"cpu_s" of it and everything it waited for, "wall_s"}."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
-    env.update(ANSIBLE_CONFIG=os.path.join(REPO, "ansible.cfg"), ANSIBLE_NOCOLOR="1")
-    if not pipelined:
-        env["ANSIBLE_PIPELINING"] = "False"
+    env.update(ansible_env, ANSIBLE_NOCOLOR="1")
     cpu0, wall0 = children_cpu(), time.monotonic()
-    done = subprocess.run([PLAYBOOK_BIN, "-i", "localhost,", "-e", "ansible_python_interpreter=" + sys.executable,
-                           play], cwd=workdir, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run([playbook_bin, "-i", "localhost,", "-e", "ansible_python_interpreter=" + python, play],
+                          cwd=workdir, env=env, capture_output=True, text=True, check=False)
     wall, cpu = time.monotonic() - wall0, children_cpu() - cpu0
     if done.returncode != 0:
-        raise SystemExit("the playbook failed (pipelining %s):\n%s" % (pipelined, done.stdout[-3000:]))
-    return {"pipelined": pipelined, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
+        raise SystemExit("the playbook failed (%s):\n%s" % (what, done.stdout[-3000:]))
+    return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
+
+
+def run(play, workdir, pipelined):
+    settings = {"ANSIBLE_CONFIG": os.path.join(REPO, "ansible.cfg")}
+    if not pipelined:
+        settings["ANSIBLE_PIPELINING"] = "False"
+    record = timed_playbook(PLAYBOOK_BIN, sys.executable, play, workdir, "pipelining %s" % pipelined, **settings)
+    return dict(record, pipelined=pipelined)
 
 
 def side_by_side(a, choices, run_one, label):
