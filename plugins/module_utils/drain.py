@@ -381,8 +381,7 @@ def drain_signal(d):
     # Targets: planned holders still alive + unit leftovers (now, after the stop).
     d.allowed = dict(d.plan["allowed"])
     if d.plan["units"]:
-        for u, members in unit_members(dict((u, d.unit_cgroups.get(u)) for u in d.plan["units"]),
-                                       d.proc_root).items():
+        for u, members in unit_members(d.unit_cgroups, d.proc_root).items():
             for pid, ct in members.items():
                 if pid in d.own or pid in d.ignore_pids:
                     continue
