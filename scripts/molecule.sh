@@ -93,8 +93,12 @@ for s in "${scenarios[@]}"; do
     flock 9
   fi
   start=$(date +%s)
+  # under make test, the verifier's results go beside the pytest phases' junit files, so that the run's
+  # summary names a failed verifier test (CI shows only the tail of the output)
+  junit=
+  [ -n "${GPUFLOW_TEST_TIMES:-}" ] && junit="--junitxml=$(dirname "$GPUFLOW_TEST_TIMES")/junit-molecule-$s.xml"
   # molecule's step lines ("INFO [scenario > step] ...") carry the seconds since the scenario began
-  molecule "$ACTION" -s "$s" 2>&1 | stamp_steps
+  PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} $junit" molecule "$ACTION" -s "$s" 2>&1 | stamp_steps
   rc=${PIPESTATUS[0]}
   seconds=$(($(date +%s) - start))
   took=$(fmt "$seconds")
