@@ -4,7 +4,7 @@
 Two workloads, each run alone and as two copies started together, rounds alternating which goes first:
   playbook  bench/pipelining_local.py's playbook (--tasks `stat` and --command-tasks `command` tasks against
             localhost): Ansible module runs, the suite's commonest work
-  python    a pure-Python loop of --loops iterations, no I/O
+  python    tools/cpu_loop.py: a pure-Python loop of --loops iterations, no I/O
 For each: the wall time of one copy alone, the wall time of the pair (until both end), the CPU seconds
 each copy used (alone and beside the other), and the throughput factor 2 x alone / pair (2.0: the two
 CPUs add up; 1.0: they do no more than one). Medians over the rounds.
@@ -29,11 +29,7 @@ import time
 from pipeline_local import git_commit
 from pipelining_local import PLAYBOOK_BIN, REPO, playbook
 
-LOOP = "import time\nt = time.process_time()\nx = 0\nfor i in range(%d):\n    x += i * i %% 7\nprint(time.process_time() - t)\n"
-
-
-def cpu_of(pid_rusage):
-    return pid_rusage.ru_utime + pid_rusage.ru_stime
+CPU_LOOP = os.path.join(REPO, "tools", "cpu_loop.py")
 
 
 def run_copies(argvs, env, cwd):
@@ -47,7 +43,7 @@ def run_copies(argvs, env, cwd):
         _pid, status, rusage = os.wait4(p.pid, 0)
         if os.waitstatus_to_exitcode(status) != 0:
             raise SystemExit("%s failed:\n%s" % (p.args[:3], out[-3000:]))
-        cpus.append(round(cpu_of(rusage), 3))
+        cpus.append(round(rusage.ru_utime + rusage.ru_stime, 3))
     return round(time.monotonic() - start, 3), cpus
 
 
@@ -68,7 +64,7 @@ def main():
             f.write(playbook(a.tasks, a.command_tasks))
         work = {
             "playbook": [PLAYBOOK_BIN, "-i", "localhost,", "-e", "ansible_python_interpreter=" + sys.executable, play],
-            "python": [sys.executable, "-c", LOOP % a.loops],
+            "python": [sys.executable, CPU_LOOP, str(a.loops)],
         }
         for r in range(a.rounds):
             for kind, argv in work.items():

@@ -65,12 +65,7 @@ run_start=$(date +%s)
 mkdir -p "$LOGS"
 # One CPU's speed, before any phase starts: the same suite took 34 minutes on one machine of CI's kind and 60 on
 # another (issue 27), and this figure, printed with the total, tells a slow machine from a slow change.
-cpu_loop_seconds=$(python -c 'import time
-start = time.process_time()
-x = 0
-for i in range(20_000_000):
-    x += i * i % 7
-print("%.2f" % (time.process_time() - start))')
+cpu_loop_seconds=$(python tools/cpu_loop.py 20000000)
 rm -f "$LOGS"/junit-*.xml "$GPUFLOW_TEST_TIMES"
 engine_before=0
 timeout 10 docker info > /dev/null 2>&1 && engine_before=1
